@@ -1,0 +1,63 @@
+"""The engine interface every capture/generation/serving backend implements.
+
+Id spaces: :meth:`Engine.capture` takes layer ids **in the engine's own meaning** (what that engine's
+draft ``config.json`` or capture option would say), never boundary indices. Translating boundary indices
+h[k] to those ids is :mod:`eaglepipe.convention`'s job alone; an engine adds no +1 of its own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+
+
+class Engine(ABC):
+    """A target model loaded in one engine.
+
+    Attributes:
+        name: "hf" | "vllm" | "sglang" (the key of :mod:`eaglepipe.convention`'s rules).
+        target_dir: the HF folder of the target.
+    """
+
+    name: str = ""
+
+    def __init__(self, target_dir: Path, dtype: str = "float32", **opts):
+        self.target_dir = Path(target_dir)
+        self.dtype = dtype
+
+    @property
+    @abstractmethod
+    def version(self) -> str:
+        """The engine's package version (recorded in manifests and metrics)."""
+
+    @abstractmethod
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> list[list[int]]:
+        """Complete each prompt (token ids, chat template already applied).
+
+        Returns one list of generated token ids per prompt, without the prompt, ending at (and including)
+        the first end-of-turn/EOS token if one was generated. temperature 0 = greedy.
+        """
+
+    @abstractmethod
+    def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
+        """Run the target over each full sequence (prefill only) and return what the engine captures.
+
+        Args:
+            sequences: token ids per sequence.
+            ids: layer ids in THIS engine's meaning (ascending as the engine orders them).
+        Returns:
+            per sequence a float32 tensor [T, len(ids), H], the captured hidden states in the order of ``ids``.
+        """
+
+    def close(self) -> None:
+        """Release the engine (processes, memory). Safe to call twice."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,21 @@
+"""The project's exceptions: raised at boundaries (params, captures, exports), with actionable messages."""
+
+
+class EaglepipeError(Exception):
+    """Base class of every error eaglepipe raises on purpose."""
+
+
+class ParamsError(EaglepipeError):
+    """params.yaml is invalid: the message names the key, the bad value and what is allowed."""
+
+
+class ConventionError(EaglepipeError):
+    """A layer-id translation is impossible or ambiguous (unknown engine/family/version, collapsed ids, ...)."""
+
+
+class CaptureMismatch(EaglepipeError):
+    """Captured features disagree with what was expected (sample id, expected vs got, and why)."""
+
+
+class ExportError(EaglepipeError):
+    """A draft cannot be exported as is (missing/unexpected/misshapen tensor, ids that do not round-trip)."""

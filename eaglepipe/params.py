@@ -1,0 +1,139 @@
+"""params.yaml → validated, typed params. Unknown keys, bad bounds and bad layer lists are refused up front.
+
+``load_params()`` raises :class:`ParamsError` with one message per problem naming the key, the bad value
+and what is allowed. Stage scripts call it first, before any work, and exit non-zero on failure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ParamsError
+
+Engine = Literal["hf", "vllm", "sglang"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetParams(_Strict):
+    source: str = Field("smollm2-135m-instruct", description="bundled GGUF name or a local HF folder")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class PromptsParams(_Strict):
+    source: str = Field("sharegpt", description="'sharegpt' or a .json (ShareGPT) / .jsonl (messages) path")
+    max_records: int = Field(4000, ge=0, description="records read before filtering (0 = all)")
+    max_turns: int = Field(1, ge=1, description="user→assistant exchanges kept per conversation")
+    max_chars: int = Field(2000, ge=16, description="messages are cut to this many characters")
+    train: int = Field(160, ge=1)
+    eval: int = Field(16, ge=0)
+    mtbench: bool = True
+    seed: int = 0
+
+
+class ExtractParams(_Strict):
+    engine: Engine = "hf"
+    regenerate: bool = True
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    seed: int = 0
+    batch_size: int = Field(16, ge=1)
+    max_length: int = Field(512, ge=8)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    shard_size: int = Field(64, ge=1)
+
+
+class ValidateParams(_Strict):
+    samples: int = Field(4, ge=1)
+    search: int = Field(2, ge=0, le=8)
+    min_cosine: float = Field(0.999, gt=0.0, le=1.0)
+
+
+class TrainParams(_Strict):
+    draft_vocab_size: int = Field(8192, ge=2)
+    ttt_steps: int = Field(3, ge=1, le=16)
+    step_decay: float = Field(0.8, gt=0.0, le=1.0)
+    epochs: int = Field(6, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    warmup_steps: int = Field(20, ge=0)
+    batch_tokens: int = Field(2048, ge=16)
+    grad_accum: int = Field(1, ge=1)
+    grad_clip: float = Field(0.5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    checkpoint_every: int = Field(100, ge=1)
+    seed: int = 0
+
+
+class ServeParams(_Strict):
+    k: int = Field(3, ge=1, le=16, description="drafted tokens per step")
+    max_new_tokens: int = Field(64, ge=1)
+    prompts: int = Field(16, ge=1)
+
+
+class Params(_Strict):
+    layers: list[int] = Field(description="aux boundary indices h[k], ascending, unique, in [0, N]")
+    framework: Engine = "vllm"
+    target: TargetParams = TargetParams()
+    prompts: PromptsParams = PromptsParams()
+    extract: ExtractParams = ExtractParams()
+    validate_: ValidateParams = Field(ValidateParams(), alias="validate")
+    train: TrainParams = TrainParams()
+    serve: ServeParams = ServeParams()
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("is empty; give at least one boundary index, e.g. [2, 15, 27]")
+        if len(set(v)) != len(v):
+            raise ValueError(f"{v} has duplicates; each boundary may appear once")
+        if v != sorted(v):
+            raise ValueError(f"{v} is not ascending; engines concatenate aux states in ascending order")
+        if v[0] < 0:
+            raise ValueError(f"{v} has a negative boundary; allowed: 0 (embeddings) .. N (last layer)")
+        return v
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = key.replace("validate_", "validate")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"params.yaml: unknown key '{key}' (value {e['input']!r}); remove or rename it")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"params.yaml: '{key}' = {e['input']!r}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_params(raw: dict) -> Params:
+    """Validate a params dict. Raises ParamsError with one line per problem."""
+    try:
+        return Params.model_validate(raw or {})
+    except ValidationError as e:
+        raise ParamsError(_format(e)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml``. Raises ParamsError (with key, bad value, what is allowed)."""
+    return parse_params(yaml.safe_load(Path(path).read_text()))
+
+
+def check_layers_against_target(layers: list[int], n_layers: int) -> None:
+    """Refuse boundary ids outside [0, N] once N is known. Raises ParamsError."""
+    bad = [k for k in layers if not 0 <= k <= n_layers]
+    if bad:
+        raise ParamsError(
+            f"params.yaml: 'layers' = {layers}: {bad} outside [0, {n_layers}] for this target "
+            f"(N = {n_layers} decoder layers; 0 = embeddings, {n_layers} = last layer before the final norm)"
+        )

