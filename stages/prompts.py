@@ -1,0 +1,31 @@
+"""Stage `prompts`: conversations → normalized, deduplicated, seeded train/eval split (+ MT-bench first turns).
+
+Usage: python stages/prompts.py OUT_DIR METRICS_JSON
+Writes OUT_DIR/train.jsonl, OUT_DIR/eval.jsonl and METRICS_JSON (records read, kept, skipped by reason).
+"""
+
+import sys
+from pathlib import Path
+
+from eaglepipe.prompts import SKIP_REASONS, load_conversations, mtbench_first_turns, split, write_jsonl
+from eaglepipe.stage import run, start, write_metrics
+
+
+def main():
+    p = start("prompts").prompts
+    out_dir, metrics = Path(sys.argv[1]), sys.argv[2]
+    ps = load_conversations(p.source, p.max_records, p.max_turns, p.max_chars)
+    train, held_out = split(ps.records, p.train, p.eval, p.seed)
+    mtbench = mtbench_first_turns() if p.mtbench else []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / "train.jsonl", train)
+    write_jsonl(out_dir / "eval.jsonl", mtbench + held_out)
+    write_metrics(metrics, {
+        "source": p.source, "read": ps.read, "usable": len(ps.records),
+        "skipped": {r: ps.skipped.get(r, 0) for r in SKIP_REASONS},
+        "train": len(train), "eval_conversations": len(held_out), "eval_mtbench": len(mtbench),
+    })
+
+
+if __name__ == "__main__":
+    run(main)
