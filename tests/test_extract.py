@@ -1,0 +1,115 @@
+"""extract on the tiny target: stored features equal an independent capture; a killed run resumes exactly."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from eaglepipe.features import FeatureSet, token_hash
+from eaglepipe.prompts import write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
+
+
+def conversations(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        q = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 4))
+        a = " ".join(WORDS[(2 * i + j) % len(WORDS)] for j in range(4 + i % 3))
+        out.append({"id": f"c{i}", "source": "test", "messages": [{"role": "user", "content": q},
+                                                                  {"role": "assistant", "content": a}]})
+    return out
+
+
+def project(tmp: Path, tiny_target: Path, n: int, **extract) -> Path:
+    """A working folder with params.yaml (tiny target: N = 4, layers [1, 2, 3]) and prompts/train.jsonl."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["layers"] = [1, 2, 3]
+    params["extract"].update({"engine": "hf", "regenerate": True, "max_new_tokens": 24, "batch_size": 2,
+                              "shard_size": 1, "dtype": "float32", **extract})
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp / "prompts").mkdir(exist_ok=True)
+    write_jsonl(tmp / "prompts" / "train.jsonl", conversations(n))
+    return tmp
+
+
+def run_extract(cwd: Path, tiny_target: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "stages/extract.py"), str(tiny_target), "prompts", "features", "extract.json"],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
+    )
+
+
+def test_stored_features_equal_independent_capture(tmp_path, tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    cwd = project(tmp_path, tiny_target, 3, regenerate=False)
+    out = run_extract(cwd, tiny_target).communicate()[0]
+    fs = FeatureSet(cwd / "features")
+    assert fs.layers == [1, 2, 3] and len(fs) == 3, out
+    m = fs.manifest
+    assert m["engine"] == "hf" and m["capture_ids"] == [1, 2, 3, 4] and m["target"]["n_layers"] == 4
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    for s in fs:
+        with torch.no_grad():
+            hs = model(s.input_ids[None], output_hidden_states=True).hidden_states
+        for j, k in enumerate([1, 2, 3]):
+            cos = torch.nn.functional.cosine_similarity(s.aux[:, j], hs[k][0], dim=-1)
+            assert cos.min() >= 0.9999
+        torch.testing.assert_close(model.model.norm(s.last), hs[4][0], rtol=1e-5, atol=1e-5)  # h[N] pre-norm
+        assert m["samples"][[x["id"] for x in m["samples"]].index(s.id)]["token_hash"] == token_hash(s.input_ids)
+    metrics = json.loads((cwd / "extract.json").read_text())
+    assert metrics["samples"] == 3 and metrics["tokens"] == m["totals"]["tokens"] > 0
+    assert metrics["bytes_per_token"] > 4 * 32 * 4  # 3 aux + last, H = 32, float32, plus ids/mask
+
+
+def test_killed_run_resumes_to_the_same_result(tmp_path, tiny_target):
+    n = 10
+    ref = project(tmp_path / "ref", tiny_target, n)
+    assert run_extract(ref, tiny_target).wait() == 0
+    cwd = project(tmp_path / "killed", tiny_target, n)
+    scratch = cwd / ".scratch" / "features"
+    proc = run_extract(cwd, tiny_target)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(scratch.glob("*/shard-00001.safetensors")):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = sorted(p.name for p in scratch.glob("*/shard-*.safetensors"))
+    assert 2 <= len(done) < n, f"the kill came too late or too early: {done}"
+    assert not (cwd / "features" / "manifest.json").exists()
+    first = {p.name: p.stat().st_mtime_ns for p in scratch.glob("*/shard-*.safetensors")}
+    out = run_extract(cwd, tiny_target).communicate()[0]
+    assert f"resuming: {len(done)} of {n} shards" in out
+    for name, mtime in first.items():  # finished shards were kept, not redone
+        assert (cwd / "features" / name).stat().st_mtime_ns == mtime
+    assert not scratch.exists() or not any(scratch.iterdir())
+    a, b = json.loads((ref / "features/manifest.json").read_text()), json.loads((cwd / "features/manifest.json").read_text())
+    assert a["samples"] == b["samples"] and a["run_key"] == b["run_key"]
+    for shard in a["shards"]:
+        ta, tb = load_file(ref / "features" / shard["file"]), load_file(cwd / "features" / shard["file"])
+        for k in ta:
+            torch.testing.assert_close(ta[k], tb[k], rtol=0, atol=0)
+
+
+def test_corrupted_feature_is_refused(tmp_path, tiny_target):
+    from eaglepipe.errors import CaptureMismatch
+
+    cwd = project(tmp_path, tiny_target, 2, regenerate=False)
+    assert run_extract(cwd, tiny_target).wait() == 0
+    man = json.loads((cwd / "features/manifest.json").read_text())
+    man["samples"][1]["token_hash"] = "0" * 16
+    (cwd / "features/manifest.json").write_text(json.dumps(man))
+    with pytest.raises(CaptureMismatch, match="c1"):
+        list(FeatureSet(cwd / "features"))
