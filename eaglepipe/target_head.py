@@ -1,0 +1,113 @@
+"""The target's output head (final RMSNorm + lm_head) and embeddings, read from its HF folder without building
+the model; and the soft targets the draft is trained against.
+
+Soft targets: p = softmax(lm_head(norm(h[N]))) restricted to the draft vocabulary and renormalised, i.e.
+softmax over the logits of the draft-vocab columns only (the EAGLE-3 / SpecForge / speculators rule).
+
+When the target's top-1 token lies OUTSIDE the draft vocabulary, the draft cannot propose it: under greedy
+verification that position is always rejected. Following EAGLE-3 and SpecForge, such positions are dropped from
+the loss (training the draft toward the runner-up would spend capacity on a guaranteed miss), they count as
+misses in the accuracy (so τ_sim stays honest), and their share is reported as ``oov_top1`` (see ttt.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import EaglepipeError
+
+NORM, EMBED, HEAD = "model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclass
+class TargetHead:
+    norm_weight: torch.Tensor  # (H,)
+    eps: float
+    lm_head: torch.Tensor  # (V, H); the embedding matrix itself when the target ties them
+    embed: torch.Tensor  # (V, H), frozen, shared with the draft
+    tied: bool
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
+
+    def to(self, device) -> "TargetHead":
+        return TargetHead(self.norm_weight.to(device), self.eps, self.lm_head.to(device), self.embed.to(device), self.tied)
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """h[N] (..., H) → full-vocab logits (..., V) in fp32 (HF order: norm in fp32, weight, then lm_head)."""
+        x = last.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., H)
+        x = self.norm_weight.float() * x  # (..., H)
+        return x @ self.lm_head.float().T  # (..., V)
+
+
+@dataclass
+class SoftTargets:
+    p: torch.Tensor  # (..., Vd) fp32, the target distribution over the draft vocabulary (sums to 1)
+    top: torch.Tensor  # (..., ) int64 draft id of the restricted argmax
+    top_in_vocab: torch.Tensor  # (..., ) bool: the FULL-vocab argmax is in the draft vocabulary
+
+
+@torch.no_grad()
+def soft_targets(head: TargetHead, last: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024) -> SoftTargets:
+    """last (B, T, H) → SoftTargets over the draft vocabulary; computed ``chunk`` tokens at a time (V is large)."""
+    B, T, _ = last.shape
+    flat = last.reshape(B * T, -1)  # (B·T, H)
+    ps, tops, inv = [], [], []
+    for a in range(0, B * T, chunk):
+        logits = head.logits(flat[a : a + chunk])  # (c, V)
+        inv.append(t2d[logits.argmax(-1)])  # (c,)
+        p = torch.softmax(logits[:, t2d], dim=-1)  # (c, Vd)
+        ps.append(p)
+        tops.append(p.argmax(-1))  # (c,)
+    return SoftTargets(
+        p=torch.cat(ps).view(B, T, -1),  # (B, T, Vd)
+        top=torch.cat(tops).view(B, T),  # (B, T)
+        top_in_vocab=torch.cat(inv).view(B, T),  # (B, T)
+    )
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name → safetensors file holding it (single file or a sharded index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise EaglepipeError(f"{folder}: no model.safetensors or model.safetensors.index.json (the target stage writes one)")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def load_target_head(folder: str | Path) -> TargetHead:
+    """Read norm / lm_head / embed_tokens (fp32) and rms_norm_eps from the target's HF folder."""
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    files = _weight_files(folder)
+    tied = HEAD not in files
+    if tied and not cfg.get("tie_word_embeddings", False):
+        raise EaglepipeError(f"{folder}: no {HEAD} and tie_word_embeddings is false; the target folder is incomplete")
+    out = {}
+    for name in (NORM, EMBED) + (() if tied else (HEAD,)):
+        if name not in files:
+            raise EaglepipeError(f"{folder}: tensor {name!r} missing; expected a Llama-family HF checkpoint")
+        with safe_open(files[name], "pt") as f:
+            out[name] = f.get_tensor(name).float()
+    embed = out[EMBED]
+    return TargetHead(
+        norm_weight=out[NORM],
+        eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        lm_head=embed if tied else out[HEAD],
+        embed=embed,
+        tied=tied,
+    )
+
+
+def load_target_config(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())

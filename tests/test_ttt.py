@@ -1,0 +1,167 @@
+"""TTT: the mask as literal tables, the efficient attention against the dense mask, the alignment on a
+hand-built example, teacher forcing with the draft's own hidden state, the loss/accuracy rules, soft targets."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglepipe.draft import DraftConfig, Eagle3Draft, repeat_kv
+from eaglepipe.target_head import SoftTargets, load_target_head, soft_targets
+from eaglepipe.ttt import Batch, TTTAttention, align_step, tau_sim, ttt_mask, ttt_unroll
+
+torch.set_num_threads(1)
+
+
+def test_mask_table_one_sample():
+    m = ttt_mask(torch.zeros(4, dtype=torch.long), step=2).int().tolist()
+    assert m == [
+        # step 0    | step 1    | step 2
+        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
+        [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+        [1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1],
+    ]
+
+
+def test_mask_table_two_packed_samples():
+    m = ttt_mask(torch.tensor([0, 0, 1, 1]), step=1).int().tolist()
+    assert m == [
+        [1, 0, 0, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0, 0],
+        [0, 0, 1, 0, 0, 0, 1, 0],
+        [0, 0, 1, 1, 0, 0, 0, 1],
+    ]
+
+
+def test_ttt_attention_equals_dense_masked_attention():
+    torch.manual_seed(0)
+    doc = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    att = TTTAttention(doc[None])
+    ks, vs = [], []
+    for step in range(3):
+        q, k, v = torch.randn(1, 4, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+        ks.append(k)
+        vs.append(v)
+        got = att.attend(q, k, v)
+        K = repeat_kv(torch.cat(ks, 2), 2)  # (1, 4, 7·(step+1), 8)
+        V = repeat_kv(torch.cat(vs, 2), 2)
+        want = F.scaled_dot_product_attention(q, K, V, attn_mask=ttt_mask(doc, step))
+        torch.testing.assert_close(got, want)
+
+
+def _soft(T, Vd, top_in_vocab=None):
+    """Soft targets whose argmax at position s is draft id s (so a shift shows which position was read)."""
+    p = torch.full((1, T, Vd), 0.1 / (Vd - 1))
+    p[0, torch.arange(T), torch.arange(T)] = 0.9
+    tiv = torch.ones(1, T, dtype=torch.bool) if top_in_vocab is None else torch.tensor([top_in_vocab])
+    return SoftTargets(p=p, top=torch.arange(T)[None], top_in_vocab=tiv)
+
+
+def _batch(ids, doc, mask, pos=None):
+    T = len(ids)
+    pos = pos if pos is not None else list(range(T))
+    return Batch(torch.tensor([ids]), torch.tensor([pos]), torch.tensor([doc]), torch.tensor([mask], dtype=torch.bool),
+                 torch.zeros(1, T, 3, 32), torch.zeros(1, T, 32))
+
+
+def test_alignment_by_hand():
+    # ids x0..x5 = 10..15; loss_mask[t] = x_{t+1} is assistant: x2..x5 are (mask 0 1 1 1 1 0)
+    b = _batch([10, 11, 12, 13, 14, 15], [0] * 6, [0, 1, 1, 1, 1, 0])
+    s0 = align_step(b, _soft(6, 8), 0)  # (g_t, x_{t+1}) → x_{t+2} ~ p_{t+1}
+    assert s0.ids.tolist() == [[11, 12, 13, 14, 15, 0]]
+    assert s0.top.tolist() == [[1, 2, 3, 4, 5, 0]]  # reads p_{t+1}
+    assert s0.positions.tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert s0.counted.int().tolist() == [[1, 1, 1, 1, 0, 0]]  # x2..x5 predicted at t=0..3
+    s2 = align_step(b, _soft(6, 8), 2)  # (d¹_t, x_{t+3}) → x_{t+4} ~ p_{t+3}
+    assert s2.ids.tolist() == [[13, 14, 15, 0, 0, 0]]
+    assert s2.top.tolist() == [[3, 4, 5, 0, 0, 0]]
+    assert s2.positions.tolist() == [[2, 3, 4, 5, 6, 7]]
+    assert s2.counted.int().tolist() == [[1, 1, 0, 0, 0, 0]]  # x4, x5 predicted at t=0, 1
+
+
+def test_alignment_never_crosses_packed_samples():
+    b = _batch([10, 11, 12, 20, 21, 22], [0, 0, 0, 1, 1, 1], [1, 1, 0, 1, 1, 0], pos=[0, 1, 2, 0, 1, 2])
+    s0 = align_step(b, _soft(6, 8, [1, 1, 1, 1, 0, 1]), 0)
+    assert s0.counted.int().tolist() == [[1, 0, 0, 1, 0, 0]]
+    assert s0.trained.int().tolist() == [[1, 0, 0, 0, 0, 0]]  # p_4's top-1 is outside the draft vocab
+    s1 = align_step(b, _soft(6, 8), 1)
+    assert s1.counted.int().tolist() == [[0, 0, 0, 0, 0, 0]]  # x_{t+3} is never both assistant and in-sample
+    b.loss_mask[:] = True
+    s1 = align_step(b, _soft(6, 8), 1)
+    assert s1.counted.int().tolist() == [[1, 0, 0, 1, 0, 0]]  # t=1,2 would read the next sample's tokens
+    assert s1.positions.tolist() == [[1, 2, 3, 1, 2, 3]]
+
+
+@pytest.fixture
+def draft():
+    torch.manual_seed(0)
+    cfg = DraftConfig(32, 4, 2, 8, 64, 1e-6, 10000.0, 256, 32, 3, 8, 99)
+    return Eagle3Draft(cfg)
+
+
+def test_own_hidden_fed_back_and_tokens_teacher_forced(draft):
+    embed = torch.randn(99, 32)
+    b = _batch([10, 11, 12, 13, 14, 15], [0] * 6, [0, 1, 1, 1, 1, 0])
+    b.aux = torch.randn(1, 6, 3, 32)
+    calls = []
+    layer = draft.layer
+
+    def spy(emb, hidden, positions, attend):
+        out = layer(emb, hidden, positions, attend)
+        calls.append((emb, hidden, positions, out))
+        return out
+
+    draft.layer = spy
+    ttt_unroll(draft, embed, b, _soft(6, 8), steps=3, decay=0.8)
+    assert len(calls) == 3
+    torch.testing.assert_close(calls[0][1], draft.project(b.aux))  # step 0 reads fc(g)
+    for j in (1, 2):
+        assert calls[j][1] is calls[j - 1][3]  # step j reads step j-1's pre-norm output (with its graph)
+        ids = torch.tensor([[10, 11, 12, 13, 14, 15][1 + j :] + [0] * (1 + j)])
+        torch.testing.assert_close(calls[j][0], embed[ids])  # data tokens x_{t+1+j}, not the argmax
+        assert calls[j][2].tolist() == [[j, j + 1, j + 2, j + 3, j + 4, j + 5]]
+
+
+def test_loss_and_accuracy_rules(draft):
+    embed = torch.randn(99, 32)
+    b = _batch([10, 11, 12, 20, 21, 22], [0, 0, 0, 1, 1, 1], [1, 1, 0, 1, 1, 0], pos=[0, 1, 2, 0, 1, 2])
+    b.aux = torch.randn(1, 6, 3, 32)
+    soft = _soft(6, 8, [1, 1, 1, 1, 0, 1])
+    r = ttt_unroll(draft, embed, b, soft, steps=2, decay=0.5)
+    # recompute step 0 by hand: counted t ∈ {0, 3}, trained t ∈ {0} (p_4's top-1 is out of vocabulary)
+    from eaglepipe.ttt import TTTAttention as A
+
+    out = draft.layer(embed[torch.tensor([[11, 12, 20, 21, 22, 0]])], draft.project(b.aux), b.positions, A(b.doc).attend)
+    logp = torch.log_softmax(draft.logits(out), -1)[0]
+    ce0 = -(soft.p[0, 1] * logp[0]).sum()
+    torch.testing.assert_close(r.step_loss[0], ce0.detach())
+    assert r.counted.tolist() == [2, 0] and r.trained.tolist() == [1, 0]  # step 1: none (see above)
+    assert r.correct[0] == int(logp[0].argmax() == 1)  # t=3 can never be correct: its top-1 is unreachable
+    torch.testing.assert_close(r.loss, r.step_loss[0] + 0.5 * r.step_loss[1], check_dtype=False)
+
+
+def test_tau_sim():
+    assert tau_sim([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert tau_sim([1.0, 1.0, 1.0]) == 4.0 and tau_sim([0.0, 1.0]) == 1.0
+
+
+def test_soft_targets_match_the_hf_target(tiny_target):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_target).eval()
+    ids = torch.randint(0, 99, (1, 9))
+    captured = {}
+    model.model.norm.register_forward_hook(lambda m, i, o: captured.update(last=i[0]))
+    with torch.no_grad():
+        logits = model(ids).logits  # (1, 9, 99)
+    head = load_target_head(tiny_target)
+    assert head.tied and head.vocab_size == 99
+    torch.testing.assert_close(head.logits(captured["last"]), logits, rtol=1e-5, atol=1e-5)
+    t2d = torch.zeros(99, dtype=torch.bool)
+    t2d[::2] = True  # even ids form the draft vocabulary
+    st = soft_targets(head, captured["last"], t2d, chunk=4)
+    torch.testing.assert_close(st.p, torch.softmax(logits[..., ::2], -1), rtol=1e-5, atol=1e-6)
+    assert st.top_in_vocab.tolist() == (logits.argmax(-1) % 2 == 0).tolist()
+    json.dumps(st.top.tolist())  # plain ints
