@@ -78,8 +78,8 @@ class OffsetReport:
                 depth = "deeper" if r.best_offset > 0 else "shallower"
                 n = abs(r.best_offset)
                 lines.append(
-                    f"stored h[{r.boundary}] matches the engine's h[{r.boundary - r.best_offset}] capture "
-                    f"(cosine {r.best_cosine:.4f}; at the exported id {r.engine_id} only {r.cosine:.4f}): "
+                    f"stored h[{r.boundary}] matches the engine's capture at id {r.engine_id - r.best_offset} "
+                    f"(cosine {r.best_cosine:.4f}), not at the exported id {r.engine_id} (cosine {r.cosine:.4f}): "
                     f"given id {r.engine_id} the engine feeds h[{r.boundary + r.best_offset}], "
                     f"{n} layer{'s' if n > 1 else ''} {depth} than eaglepipe/convention.py assumes for {where} "
                     f"(off by {r.best_offset:+d}). A draft exported this way would accept almost nothing: fix "
@@ -118,14 +118,20 @@ def check_offsets(
         ConventionError: the layers cannot be expressed for this engine.
     """
     ids = convention.engine_ids(engine.name, family, layers, n_layers)
+    can = set(convention.capturable(engine.name, family, n_layers))
     valid = set()
-    for k in convention.capturable(engine.name, family, n_layers):
+    for x in range(0, n_layers + 1):  # every engine's ids lie in [0, N]; keep those naming a capturable h[k]
         try:
-            valid.update(convention.engine_ids(engine.name, family, [k], n_layers))
+            if convention.boundaries_of(engine.name, family, [x], n_layers)[0] in can:
+                valid.add(x)
         except ConventionError:
             pass
-    shifts = {d: [e + d for e in ids] for d in range(-search, search + 1)}
-    union = sorted({x for xs in shifts.values() for x in xs if x in valid} | set(ids))
+    if not set(ids) <= valid:
+        raise CaptureMismatch(
+            f"the export would write ids {ids} for boundaries {layers}, but {engine.name} captures only ids "
+            f"{sorted(valid)} for {family} with N = {n_layers}: {sorted(set(ids) - valid)} name no capturable layer"
+        )
+    union = sorted({e + d for e in ids for d in range(-search, search + 1)} & valid)
     caps = engine.capture([s.input_ids.tolist() for s in samples], union)  # per sample [T, len(union), H]
     stored = torch.cat([s.aux.float() for s in samples])  # shape: (ΣT, L, H)
     got = torch.cat(caps)  # shape: (ΣT, len(union), H)

@@ -1,0 +1,42 @@
+"""Stage `validate_offsets`: prove the serving engine feeds the draft exactly the stored features.
+
+Usage: python stages/validate_offsets.py TARGET_DIR FEATURES_DIR OK_JSON METRICS_JSON COSINE_CSV
+Reads params `layers`, `framework`, `validate`. Captures `validate.samples` stored sequences through the
+`framework` engine with the ids the exporter writes (± `validate.search`), writes METRICS_JSON and the
+cosine table COSINE_CSV (a heatmap in `dvc plots show`), and exits 1 with an actionable message on mismatch.
+OK_JSON (the gate token training depends on) is written only when the check passes.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from eaglepipe import convention
+from eaglepipe.engines import get_engine
+from eaglepipe.errors import CaptureMismatch
+from eaglepipe.features import FeatureSet, atomic_write_json
+from eaglepipe.stage import run, start, write_metrics
+from eaglepipe.validate import check_offsets, require_ok
+
+
+def main():
+    p = start("validate_offsets")
+    target_dir, features_dir, ok_json, metrics, cosine_csv = map(Path, sys.argv[1:6])
+    fs = FeatureSet(features_dir)
+    if fs.layers != p.layers:
+        raise CaptureMismatch(f"stored features are for layers {fs.layers}, params say {p.layers}: re-run extract")
+    family = convention.family_of(json.loads((target_dir / "config.json").read_text()))
+    with get_engine(p.framework, target_dir, dtype="float32") as engine:
+        rep = check_offsets(engine, family, fs.n_layers, fs.layers, fs.take(p.validate_.samples),
+                            p.validate_.search, p.validate_.min_cosine)
+    write_metrics(metrics, rep.to_json())
+    cosine_csv.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rep.table()).to_csv(cosine_csv, index=False)
+    require_ok(rep)
+    atomic_write_json(ok_json, {"features_run_key": fs.manifest["run_key"], "layers": fs.layers})
+
+
+if __name__ == "__main__":
+    run(main)
