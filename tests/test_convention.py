@@ -1,0 +1,188 @@
+"""The convention translator: one case per rule, both directions, and every refusal."""
+
+import pytest
+
+from eaglepipe import convention as conv
+from eaglepipe.errors import ConventionError
+
+SGL, VLLM = "0.5.23", "0.32.0"
+
+# (engine, version, family, N, boundaries h[k], ids the engine's config must hold)
+FORWARD = [
+    ("hf", None, "llama", 30, [0, 15, 30], [0, 15, 30]),
+    ("sglang", SGL, "llama", 30, [2, 15, 27], [1, 14, 26]),  # id i = h[i+1]
+    ("sglang", SGL, "mistral", 32, [2, 16, 29], [1, 15, 28]),
+    ("sglang", SGL, "qwen3", 36, [1, 18, 35], [0, 17, 34]),
+    ("sglang", SGL, "qwen3_moe", 48, [2, 24, 45], [1, 23, 44]),
+    ("sglang", SGL, "deepseek_v3", 61, [2, 30, 58], [2, 30, 58]),  # first id 2 != 1: read as h[i]
+    ("sglang", SGL, "kimi_k25", 61, [3, 31, 59], [3, 31, 59]),  # the doc's Kimi-K2.5 case
+    ("sglang", SGL, "glm4_moe_lite", 47, [0, 23, 44], [0, 23, 44]),  # first id 0: embeddings reachable
+    ("sglang", SGL, "gpt_oss", 36, [24, 30, 36], [24, 30, 36]),  # max id == N: read as h[i]
+    ("sglang", SGL, "gpt_oss", 36, [2, 18, 33], [1, 17, 32]),  # no final boundary: h[i+1]
+    ("vllm", VLLM, "llama", 30, [0, 15, 30], [0, 15, 30]),  # id i = h[i], h[0] and h[N] reachable
+    ("vllm", VLLM, "qwen2", 28, [2, 14, 25], [2, 14, 25]),
+    ("vllm", VLLM, "deepseek_v2", 27, [1, 13, 27], [1, 13, 27]),
+    ("vllm", VLLM, "kimi_k25", 61, [3, 31, 59], [3, 31, 59]),
+    ("vllm", VLLM, "gpt_oss", 24, [2, 12, 24], [2, 12, 24]),
+]
+
+
+@pytest.mark.parametrize("engine,version,family,n,boundaries,ids", FORWARD)
+def test_engine_ids_and_back(engine, version, family, n, boundaries, ids):
+    assert conv.engine_ids(engine, family, boundaries, n, version) == ids
+    assert conv.boundaries_of(engine, family, ids, n, version) == boundaries
+
+
+# (engine, version, family, N, ids found in a config, boundaries the engine feeds)
+READ = [
+    ("sglang", SGL, "llama", 32, [1, 15, 28], [2, 16, 29]),  # the doc's consequence example ...
+    ("vllm", VLLM, "llama", 32, [1, 15, 28], [1, 15, 28]),  # ... the same ids on vLLM
+    ("sglang", SGL, "deepseek_v3", 61, [1, 29, 57], [2, 30, 58]),  # first id == 1: +1 on every id
+    ("sglang", SGL, "kimi_k25", 61, [2, 30, 58], [2, 30, 58]),  # Kimi: "[2, 30, 58] is read as h[2], h[30], h[58]"
+    ("sglang", SGL, "kimi_k25", 61, [30, 2, 58], [2, 30, 58]),  # unsorted: fed in layer order
+    ("sglang", SGL, "gpt_oss", 36, [23, 29, 35], [24, 30, 36]),
+    ("sglang", SGL, "gpt_oss", 36, [24, 30, 36], [24, 30, 36]),
+    ("sglang", "0.5.23.post1", "qwen2", 28, [1, 13, 24], [2, 14, 25]),
+    ("vllm", "0.32.0+cpu", "qwen3", 36, [2, 18, 33], [2, 18, 33]),
+]
+
+
+@pytest.mark.parametrize("engine,version,family,n,ids,fed", READ)
+def test_boundaries_of(engine, version, family, n, ids, fed):
+    assert conv.boundaries_of(engine, family, ids, n, version) == fed
+
+
+@pytest.mark.parametrize(
+    "engine,version,family,n,expected",
+    [
+        ("hf", None, "llama", 30, range(0, 31)),
+        ("sglang", SGL, "llama", 30, range(1, 30)),  # no h[N]; h[0] would need id -1
+        ("sglang", SGL, "deepseek_v2", 30, range(0, 30)),
+        ("sglang", SGL, "gpt_oss", 36, range(0, 37)),
+        ("vllm", VLLM, "llama", 30, range(0, 31)),
+        ("vllm", VLLM, "deepseek_v3", 61, range(1, 62)),  # residual is None before layer 0
+    ],
+)
+def test_capturable(engine, version, family, n, expected):
+    assert conv.capturable(engine, family, n, version) == expected
+
+
+@pytest.mark.parametrize("engine,version", [("sglang", SGL), ("vllm", VLLM)])
+def test_default_boundaries(engine, version):
+    assert conv.default_boundaries(engine, "llama", 30, version) == [2, 15, 27]
+    assert conv.default_boundaries(engine, "deepseek_v3", 61, version) == [2, 30, 58]
+
+
+# (callable, match): every refusal, with the words its message must carry
+REFUSALS = [
+    (lambda: conv.engine_ids("sglang", "llama", [2, 15, 30], 30, SGL), r"cannot capture h\[30\]"),
+    (lambda: conv.engine_ids("sglang", "deepseek_v3", [1, 15, 27], 30, SGL),
+     r"cannot be made to feed h\[1, 15, 27\].*\[1, 15, 27\] is read as h\[2, 16, 28\].*\[0, 14, 26\] is read as h\[0, 14, 26\]"),
+    (lambda: conv.engine_ids("sglang", "gpt_oss", [0, 5, 10], 36, SGL), r"\[-1, 4, 9\]: negative id"),
+    (lambda: conv.engine_ids("vllm", "deepseek_v2", [0, 13, 27], 27, VLLM), r"cannot capture h\[0\]"),
+    (lambda: conv.engine_ids("sglang", "gemma3", [2, 13, 23], 26, SGL), r"without `residual`"),
+    (lambda: conv.engine_ids("vllm", "glm4_moe_lite", [2, 23, 44], 47, VLLM), r"SupportsEagle3"),
+    (lambda: conv.engine_ids("vllm", "falcon", [2], 30, VLLM), r"unknown model family 'falcon'"),
+    (lambda: conv.engine_ids("tgi", "llama", [2], 30, "1.0"), r"unknown engine 'tgi'"),
+    (lambda: conv.engine_ids("vllm", "llama", [2], 30, "0.31.0"), r"no layer-id rule for vllm 0.31.0"),
+    (lambda: conv.engine_ids("sglang", "llama", [2], 30, "0.5.22"), r"refusing to guess"),
+    (lambda: conv.engine_ids("vllm", "llama", [2], 30, "latest"), r"not a PEP 440 version"),
+    (lambda: conv.engine_ids("vllm", "llama", [15, 2], 30, VLLM), r"not ascending"),
+    (lambda: conv.engine_ids("vllm", "llama", [2, 2], 30, VLLM), r"duplicates"),
+    (lambda: conv.engine_ids("vllm", "llama", [2, 31], 30, VLLM), r"outside \[0, 30\]"),
+    (lambda: conv.engine_ids("vllm", "llama", [], 30, VLLM), r"empty boundary list"),
+    (lambda: conv.default_boundaries("vllm", "llama", 5, VLLM), r"\[2, 2, 2\] for N = 5 collapse to \[2\]"),
+    (lambda: conv.default_boundaries("hf", "llama", 30), r"no default"),
+    # SpecForge's default ids [1, N//2-1, N-4] on a 5-layer target
+    (lambda: conv.boundaries_of("sglang", "llama", [1, 1, 1], 5, SGL), r"collapse to boundaries \[2, 2, 2\]"),
+    (lambda: conv.boundaries_of("vllm", "qwen3", [3, 3, 7], 8, VLLM), r"feed 2 states where 3 are expected"),
+    (lambda: conv.boundaries_of("sglang", "llama", [2, 15, 29], 30, SGL), r"ask for h\[30\]"),
+    (lambda: conv.boundaries_of("sglang", "llama", [-1, 14], 30, SGL), r"negative id"),
+    (lambda: conv.boundaries_of("vllm", "llama", [], 30, VLLM), r"empty id list"),
+    (lambda: conv.check_fc_width(4 * 576, 3, 576), r"2304 input features but 3 aux states .* 1728; .* imply 4"),
+    (lambda: conv.family_of({"model_type": "falcon"}), r"unknown target model_type \['falcon'\]"),
+]
+
+
+@pytest.mark.parametrize("call,match", REFUSALS)
+def test_refusals(call, match):
+    with pytest.raises(ConventionError, match=match):
+        call()
+
+
+def test_version_defaults_to_installed(monkeypatch):
+    monkeypatch.setattr(conv, "installed_version", lambda engine: None)
+    with pytest.raises(ConventionError, match="vllm is not installed here and no version was given"):
+        conv.engine_ids("vllm", "llama", [2, 15, 27], 30)
+    monkeypatch.setattr(conv, "installed_version", lambda engine: "0.32.0+cpu")
+    assert conv.engine_ids("vllm", "llama", [2, 15, 27], 30) == [2, 15, 27]
+    assert conv.KNOWN_VERSIONS == {"sglang": "0.5.23", "vllm": "0.32.0"}
+
+
+@pytest.mark.parametrize(
+    "config,family",
+    [
+        ({"model_type": "llama"}, "llama"),
+        ({"model_type": "gemma3_text"}, "gemma3"),
+        ({"model_type": "kimi_k2"}, "deepseek_v3"),
+        ({"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3"}}, "kimi_k25"),
+        ({"model_type": "some_vl_wrapper", "text_config": {"model_type": "qwen3"}}, "qwen3"),
+    ],
+)
+def test_family_of(config, family):
+    assert conv.family_of(config) == family
+
+
+def test_check_fc_width_accepts_match():
+    assert conv.check_fc_width(3 * 576, 3, 576) is None
+
+
+def test_missing_ids_refused_unless_default_allowed():
+    draft = {"architectures": ["LlamaForCausalLMEagle3"]}
+    with pytest.raises(ConventionError, match=r"τ 2.77 to 1.036"):
+        conv.read_draft_boundaries(draft, "sglang", "llama", 30, SGL)
+    assert conv.read_draft_boundaries(draft, "sglang", "llama", 30, SGL, allow_default=True) == [2, 15, 27]
+
+
+def test_vllm_reads_top_level_before_nested():
+    both = {"eagle_aux_hidden_state_layer_ids": [2, 15, 27], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    assert conv.read_draft_boundaries(both, "vllm", "llama", 30, VLLM) == [2, 15, 27]
+    assert conv.read_draft_boundaries(both, "sglang", "llama", 30, SGL) == [2, 15, 27]
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    with pytest.raises(ConventionError, match="V2 runner .* ignores it"):
+        conv.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM)
+    assert conv.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM, runner="v1") == [1, 14, 26]
+    assert conv.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM, runner="v2", allow_default=True) == [2, 15, 27]
+
+
+def test_write_draft_ids_for_both_engines():
+    base = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"use_aux_hidden_state": True}}
+    sgl = conv.write_draft_ids(base, "sglang", "llama", [2, 15, 27], 30, SGL)
+    both = conv.write_draft_ids(sgl, "vllm", "llama", [2, 15, 27], 30, VLLM)
+    assert base == {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"use_aux_hidden_state": True}}
+    assert both == {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 14, 26]},
+        "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
+        "num_aux_hidden_states": 3,
+        "eaglepipe": {
+            "aux_boundaries": [2, 15, 27],
+            "convention": conv.CONVENTION,
+            "family": "llama",
+            "n_layers": 30,
+            "engines": {
+                "sglang": {"version": SGL, "ids": [1, 14, 26], "field": "eagle_config.eagle_aux_hidden_state_layer_ids"},
+                "vllm": {"version": VLLM, "ids": [2, 15, 27], "field": "eagle_aux_hidden_state_layer_ids"},
+            },
+        },
+    }
+    for engine, version in (("sglang", SGL), ("vllm", VLLM), ("hf", None)):
+        assert conv.read_draft_boundaries(both, engine, "llama", 30, version) == [2, 15, 27]
+    with pytest.raises(ConventionError, match=r"already states aux_boundaries \[2, 15, 27\], not \[3, 15, 27\]"):
+        conv.write_draft_ids(both, "vllm", "llama", [3, 15, 27], 30, VLLM)
+
+
+def test_write_draft_ids_kimi_heuristic():
+    out = conv.write_draft_ids({}, "sglang", "kimi_k25", [3, 31, 59], 61, SGL)
+    assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]}
+    assert conv.read_draft_boundaries(out, "sglang", "kimi_k25", 61, SGL) == [3, 31, 59]

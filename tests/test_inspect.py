@@ -1,0 +1,155 @@
+"""`eaglepipe inspect` on synthetic draft folders in every format found in the wild.
+
+Target: a tiny llama, N = 8, hidden 16, vocab 64 (engine default = h[2], h[4], h[5]).
+Draft: hidden 16, draft vocab 8, 3 aux states → fc [16, 48].
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from eaglepipe import convention as conv
+from eaglepipe.cli import main
+from eaglepipe.inspect import format_report, inspect_draft
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
+TARGET = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 16, "vocab_size": 64}
+TARGET_IDS = np.array([0, 3, 5, 9, 10, 20, 40, 63])  # draft token j → target token TARGET_IDS[j]
+LLAMA_FIELDS = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64}
+
+
+def write_draft(path, config, n_aux=3, d2t="offsets", draft_vocab=8):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = {
+        "fc.weight": np.zeros((16, 16 * n_aux), np.float32),
+        "lm_head.weight": np.zeros((draft_vocab, 16), np.float32),
+        "norm.weight": np.ones(16, np.float32),
+    }
+    if d2t == "offsets":
+        tensors["d2t"] = TARGET_IDS - np.arange(8)  # target_id = draft_id + d2t[draft_id]
+    elif d2t == "absolute":
+        tensors["d2t"] = TARGET_IDS.copy()  # a common bug: target ids stored instead of offsets
+    elif d2t == "identity":
+        tensors["d2t"] = np.zeros(draft_vocab, np.int64)
+    t2d = np.zeros(64, bool)
+    t2d[TARGET_IDS if d2t != "identity" else np.arange(64)] = True
+    tensors["t2d"] = t2d
+    safetensors_numpy.save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def eaglepipe_config(boundaries=(2, 4, 7)):
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8, "target_hidden_size": 16, **LLAMA_FIELDS}
+    for engine in ("sglang", "vllm"):
+        cfg = conv.write_draft_ids(cfg, engine, "llama", list(boundaries), 8, VERSIONS[engine])
+    return cfg
+
+
+def test_eaglepipe_export_is_ok(tmp_path):
+    draft = write_draft(tmp_path / "d", eaglepipe_config())
+    r = inspect_draft(draft, TARGET, VERSIONS)
+    assert (r.draft_format, r.family, r.n_layers, r.target_hidden) == ("eaglepipe", "llama", 8, 16)
+    assert (r.engines["sglang"].ids, r.engines["sglang"].boundaries) == ([1, 3, 6], [2, 4, 7])
+    assert (r.engines["vllm"].ids, r.engines["vllm"].boundaries) == ([2, 4, 7], [2, 4, 7])
+    assert r.engines["sglang"].architecture == "LlamaForCausalLMEagle3"
+    assert r.engines["vllm"].architecture == "LlamaForCausalLMEagle3"  # registry entry → Eagle3LlamaForCausalLM class
+    assert (r.engines["sglang"].fc_states, r.engines["vllm"].fc_states) == (3, 3)
+    assert r.agree is True and r.stated_boundaries == [2, 4, 7]
+    assert r.fc_shape == (16, 48)
+    assert r.d2t == "offsets, 8 draft tokens"
+    assert r.problems == [] and r.ok
+    text = format_report(r)
+    assert "sglang  0.5.23   arch=LlamaForCausalLMEagle3  eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 6]  → feeds h[2, 4, 7]" in text
+    assert text.splitlines()[-1] == "OK"
+
+
+def test_specforge_nested_ids_only(tmp_path):
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8, **LLAMA_FIELDS,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}}
+    r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
+    assert r.draft_format == "sglang/specforge"
+    assert r.engines["sglang"].boundaries == [2, 4, 7]
+    assert r.engines["vllm"].boundaries == [2, 4, 5]  # V2 runner: nested ids ignored → default
+    assert r.agree is False and not r.ok
+    assert r.problems == ["SGLang feeds h[2, 4, 7], vLLM feeds h[2, 4, 5]: one of them serves other features"]
+    assert r.engines["vllm"].problems == [
+        "no ids where vllm reads them: it silently feeds its default h[2, 4, 5]",
+        "vLLM runners disagree: V1 reads eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 6] → h[1, 3, 6], "
+        "V2 (default on CUDA) uses its default h[2, 4, 5]; write eagle_aux_hidden_state_layer_ids at the top level",
+    ]
+
+
+def test_modelopt_format_on_deepseek_target(tmp_path):
+    target = {"model_type": "deepseek_v3", "num_hidden_layers": 8, "hidden_size": 16, "vocab_size": 64}
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8, **LLAMA_FIELDS,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6], "use_aux_hidden_state": True,
+                            "use_input_layernorm_in_first_layer": True, "use_last_layernorm": False}}
+    r = inspect_draft(write_draft(tmp_path / "d", cfg), target, VERSIONS)
+    assert (r.draft_format, r.family) == ("modelopt", "deepseek_v3")
+    assert r.engines["sglang"].boundaries == [2, 4, 7]  # first id == 1: SGLang's DeepSeek heuristic adds 1
+
+
+def test_speculators_format(tmp_path):
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 8,
+           "target_hidden_size": 16, "eagle_aux_hidden_state_layer_ids": [2, 4, 7],
+           "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}], "verifier": {"name_or_path": "t"}},
+           "transformer_layer_config": {"model_type": "llama", **LLAMA_FIELDS}}
+    r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
+    assert r.draft_format == "speculators"
+    assert r.engines["vllm"].architecture == "Eagle3LlamaForCausalLM"  # speculators algos.py: model_type llama
+    assert (r.engines["vllm"].field, r.engines["vllm"].boundaries, r.engines["vllm"].fc_states) == (
+        "eagle_aux_hidden_state_layer_ids", [2, 4, 7], 3)
+    assert r.engines["vllm"].problems == []
+    assert r.engines["sglang"].architecture is None and r.engines["sglang"].boundaries == [2, 4, 5]
+    assert r.engines["sglang"].problems[0].startswith("sglang 0.5.23 does not load architectures ['Eagle3Speculator']")
+    assert r.agree is False
+
+
+def test_original_eagle_config_without_ids(tmp_path):
+    cfg = {"architectures": ["LlamaForCausalLM"], "draft_vocab_size": 8, **LLAMA_FIELDS}
+    r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
+    assert r.draft_format == "eagle"
+    assert r.engines["vllm"].architecture == "Eagle3LlamaForCausalLM"  # EAGLEConfig prefixes "Eagle3"
+    assert r.engines["sglang"].architecture is None
+    assert r.engines["sglang"].boundaries == r.engines["vllm"].boundaries == [2, 4, 5]
+    assert r.agree is True and not r.ok
+    assert "no ids where vllm reads them: it silently feeds its default h[2, 4, 5]" in r.engines["vllm"].problems
+
+
+def test_fc_width_disagrees_with_ids(tmp_path):
+    r = inspect_draft(write_draft(tmp_path / "d", eaglepipe_config(), n_aux=4), TARGET, VERSIONS)
+    assert r.fc_shape == (16, 64)
+    assert r.engines["vllm"].problems == [
+        "vllm feeds 3 states: fc takes 64 input features but 3 aux states × hidden 16 = 48; the weights imply 4 aux states"
+    ]
+
+
+def test_d2t_absolute_ids_and_identity(tmp_path):
+    r = inspect_draft(write_draft(tmp_path / "a", eaglepipe_config(), d2t="absolute"), TARGET, VERSIONS)
+    assert r.problems == [
+        "d2t: arange + d2t spans [0, 70], outside [0, 64)",
+        "d2t: d2t looks like absolute target ids; engines add it to the draft id (offsets)",
+    ]
+    full = {**eaglepipe_config(), "draft_vocab_size": 64}
+    r = inspect_draft(write_draft(tmp_path / "i", full, d2t="identity", draft_vocab=64), TARGET, VERSIONS)
+    assert r.d2t == "identity (all zeros)" and r.ok
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps(TARGET))
+    good = write_draft(tmp_path / "good", eaglepipe_config())
+    bad = write_draft(tmp_path / "bad", eaglepipe_config(), n_aux=4)
+    pins = ["--sglang-version", "0.5.23", "--vllm-version", "0.32.0"]
+    assert main(["inspect", str(good), "--target", str(target), *pins]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "OK"
+    assert main(["inspect", str(bad), "--target", str(target), *pins]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "2 problem(s)"
+    assert main(["inspect", str(good), "--target", str(target), "--json", *pins]) == 0
+    assert json.loads(capsys.readouterr().out)["engines"]["sglang"]["ids"] == [1, 3, 6]
+    assert main(["inspect", str(tmp_path / "missing"), "--target", str(target)]) == 2
+    assert "config.json: not found" in capsys.readouterr().err
