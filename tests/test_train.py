@@ -1,0 +1,169 @@
+"""The training loop on features captured from the tiny random target: it learns, writes the exported names,
+resumes a stopped run onto the identical loss curve, and 2 gloo ranks equal 1 process with grad_accum 2."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from eaglepipe.features import FeatureSample, ShardWriter
+from eaglepipe.params import TrainParams
+from eaglepipe.train import lr_factor, pack, split_samples, train_drafter
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (hidden 32, vocab 99, untied head) whose next-token distributions are peaked
+    (initializer_range 0.3; at HF's 0.02 every soft target is nearly uniform and nothing can be learned)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
+                      tie_word_embeddings=False, rope_theta=100000.0)
+    out = tmp_path_factory.mktemp("peaked_target")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target, tmp_path_factory) -> Path:
+    """16 greedy continuations of the tiny target (prompt 4 tokens, 10–20 generated), captured like extract:
+    aux = h[0], h[1], h[2] (h[2] = h[N], the final norm's input); last = h[N]; loss on the generated tokens."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_target).eval()
+    captured = {}
+    model.model.norm.register_forward_hook(lambda m, i, o: captured.update(last=i[0]))
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(16):
+        ids = torch.randint(3, 99, (1, 4), generator=g)
+        with torch.no_grad():
+            for _ in range(int(torch.randint(10, 21, (1,), generator=g))):
+                ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], 1)
+            out = model(ids, output_hidden_states=True)
+        T = ids.shape[1]
+        samples.append(FeatureSample(
+            f"s{i}", ids[0], torch.arange(T) + 1 >= 4,
+            torch.stack([out.hidden_states[0][0], out.hidden_states[1][0], captured["last"][0]], 1).to(torch.bfloat16),
+            captured["last"][0].to(torch.bfloat16),  # (T, 32)
+        ))
+    root = tmp_path_factory.mktemp("features")
+    w = ShardWriter(root / "features", root / "scratch", "k", shard_size=8)
+    for j in range(2):
+        w.write(j, samples[8 * j : 8 * j + 8])
+    w.finish({"layers": LAYERS, "target": {"n_layers": 2}}, 2)
+    return root / "features"
+
+
+def _params(**kw) -> TrainParams:
+    base = dict(draft_vocab_size=64, ttt_steps=3, step_decay=0.8, epochs=3, lr=3e-3, warmup_steps=2,
+                batch_tokens=64, grad_accum=1, grad_clip=1.0, eval_fraction=0.2, checkpoint_every=3, seed=0)
+    return TrainParams(**{**base, **kw})
+
+
+def test_pack_split_and_schedule():
+    assert pack([30, 30, 10, 50, 70], [0, 1, 2, 3, 4], 64) == [[0, 1], [2, 3], [4]]  # 70 is cut to 64
+    s = [FeatureSample(f"s{i}", *([None] * 4)) for i in range(10)]
+    tr, ev = split_samples(s, 0.2, seed=0)
+    assert len(ev) == 2 and len(tr) == 8 and [x.id for x in split_samples(s[::-1], 0.2, 0)[1]] == [x.id for x in ev][::-1]
+    assert [round(lr_factor(i, 2, 6), 4) for i in range(7)] == [0.5, 1.0, 1.0, 0.8536, 0.5, 0.1464, 0.0]
+
+
+def test_train_learns_and_writes_the_draft(features, tiny_target, tmp_path):
+    out = tmp_path / "drafter"
+    s = train_drafter(features, tiny_target, out, _params(epochs=8, lr=1e-2), scratch_dir=tmp_path / "scratch",
+                      live_dir=tmp_path / "live")
+    assert s["losses"][-1] < 0.7 * s["losses"][0]
+    assert s["best"]["tau_sim"] >= s["evals"]["epoch0"]["tau_sim"] and s["best"]["tau_sim"] > 1.0
+    w = load_file(str(out / "model.safetensors"))
+    assert set(w) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm",
+                                         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert w["fc.weight"].shape == (32, 96) and w["lm_head.weight"].shape == (64, 32) and w["t2d"].sum() == 64
+    assert (w["d2t"] + torch.arange(64)).tolist() == w["t2d"].nonzero().flatten().tolist()
+    assert json.loads((out / "config.json").read_text())["layers"] == LAYERS
+    assert (tmp_path / "live" / "metrics.json").exists() and not list((tmp_path / "scratch").glob("*/last.pt"))
+    plots = {p.name for p in (tmp_path / "live" / "plots" / "metrics" / "train").iterdir()}
+    assert {"loss.tsv", "acc_step0.tsv", "acc_step2.tsv", "lr.tsv"} <= plots
+
+
+@pytest.mark.parametrize("stop", [4, 5])  # mid-epoch, and right before the end-of-epoch evaluation
+def test_stopped_run_resumes_onto_the_same_curve(features, tiny_target, tmp_path, stop):
+    p = _params(epochs=2)
+    full = train_drafter(features, tiny_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa")
+    part = train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb", stop_after=stop)
+    assert part["stopped_at"] == stop and len(list((tmp_path / "sb").glob("*/last.pt"))) == 1
+    resumed = train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb")
+    assert resumed["resumed_from_step"] == stop and full["resumed_from_step"] == 0
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]), rtol=0, atol=0)
+    assert resumed["evals"] == full["evals"]
+    wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0)
+
+
+DDP_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from eaglepipe.params import TrainParams
+    from eaglepipe.train import train_drafter
+    torch.set_num_threads(1)
+    features, target, out, scratch, params = sys.argv[1:6]
+    s = train_drafter(features, target, out, TrainParams(**json.loads(params)), scratch_dir=scratch)
+    json.dump(s["losses"], open(f"{out}.rank{torch.distributed.get_rank()}.json", "w"))
+""")
+
+
+def test_two_gloo_ranks_equal_one_process_with_grad_accum_2(features, tiny_target, tmp_path):
+    p = _params(epochs=2, batch_tokens=32)
+    one = train_drafter(features, tiny_target, tmp_path / "one", _params(epochs=2, batch_tokens=32, grad_accum=2),
+                        scratch_dir=tmp_path / "s1")
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(script), str(features), str(tiny_target), str(tmp_path / "two"), str(tmp_path / "s2"),
+         json.dumps(p.model_dump())],
+        check=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    l0 = json.loads((tmp_path / "two.rank0.json").read_text())
+    l1 = json.loads((tmp_path / "two.rank1.json").read_text())
+    assert l0 == l1 and len(l0) == len(one["losses"])
+    torch.testing.assert_close(torch.tensor(l0), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
+    w1, w2 = load_file(str(tmp_path / "one" / "model.safetensors")), load_file(str(tmp_path / "two" / "model.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+
+
+def test_stage_script(features, tiny_target, tmp_path):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["layers"] = LAYERS
+    params["train"].update(draft_vocab_size=64, epochs=1, batch_tokens=64, warmup_steps=1)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(features), str(tiny_target),
+                        "data/drafter", "metrics/train_drafter.json", "dvclive/train_drafter"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "metrics" / "train_drafter.json").read_text())
+    assert m["best"]["tau_sim"] >= 1.0 and m["params"]["layers"] == LAYERS and m["train_tokens"] > 0
+    assert (tmp_path / "data" / "drafter" / "model.safetensors").exists()
+    assert (tmp_path / "dvclive" / "train_drafter" / "metrics.json").exists()
+    assert not (tmp_path / "dvc.yaml").exists()  # dvclive must not write the pipeline's dvc.yaml
