@@ -10,6 +10,7 @@ drafter; HF's own ``output_hidden_states[N]`` is post-norm (transformers replace
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from importlib.metadata import version as pkg_version
 
 import torch
@@ -17,6 +18,38 @@ import torch
 from .base import Engine
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def boundary_hooks(layers, ids: list[int]):
+    """Capture h[k] for k in ``ids`` during the forward passes run inside the ``with`` block.
+
+    Args:
+        layers: the model's decoder layers (``model.model.layers``), N of them.
+        ids: boundary indices in [0, N].
+    Yields:
+        a dict k → float32 tensor (B, T, H), filled by the next forward: a pre-hook on ``layers[k]`` takes its
+        input (k < N); a hook on ``layers[N-1]`` takes its output before the final norm (k = N).
+    """
+    n = len(layers)
+    got: dict[int, torch.Tensor] = {}
+
+    def pre(k):
+        def hook(_mod, args, kwargs):
+            got[k] = (args[0] if args else kwargs["hidden_states"]).float()
+        return hook
+
+    def post(_mod, _args, output):
+        got[n] = (output[0] if isinstance(output, tuple) else output).float()
+
+    handles = [layers[k].register_forward_pre_hook(pre(k), with_kwargs=True) for k in ids if k < n]
+    if n in ids:
+        handles.append(layers[-1].register_forward_hook(post))
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class HFEngine(Engine):
@@ -59,33 +92,14 @@ class HFEngine(Engine):
         return out
 
     def _capture_batch(self, seqs: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
-        got: dict[int, torch.Tensor] = {}
-
-        def pre(k):
-            def hook(_mod, args, kwargs):
-                got[k] = (args[0] if args else kwargs["hidden_states"]).float()
-            return hook
-
-        def post(_mod, _args, output):
-            got[self.n_layers] = (output[0] if isinstance(output, tuple) else output).float()
-
-        handles = []
-        for k in ids:
-            if k < self.n_layers:
-                handles.append(self.layers[k].register_forward_pre_hook(pre(k), with_kwargs=True))
-        if self.n_layers in ids:
-            handles.append(self.layers[-1].register_forward_hook(post))
-        try:
-            T = max(len(s) for s in seqs)
-            input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # shape: (B, T)
-            mask = torch.zeros(len(seqs), T, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                input_ids[i, : len(s)] = torch.tensor(s)
-                mask[i, : len(s)] = 1
+        T = max(len(s) for s in seqs)
+        input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # shape: (B, T)
+        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            input_ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        with boundary_hooks(self.layers, ids) as got:
             self.model.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
         stacked = torch.stack([got[k] for k in ids], dim=2).cpu()  # shape: (B, T, len(ids), H)
         return [stacked[i, : len(s)].contiguous() for i, s in enumerate(seqs)]
 
