@@ -236,6 +236,9 @@ def train_drafter(
             f"features {features_dir}: aux width {samples[0].aux.shape[-1]} != target hidden_size "
             f"{cfg.target_hidden_size} of {target_dir}; the features were captured from another target"
         )
+    if cfg.n_aux != 3:
+        log.warning("%d aux layers: SGLang and vLLM (LlamaForCausalLMEagle3) build fc for exactly 3·Ht inputs; "
+                    "this draft will train but not load in those engines", cfg.n_aux)
     if len(samples) < 2:
         raise EaglepipeError(f"features {features_dir}: {len(samples)} samples; need ≥ 2 (train + held-out)")
 
@@ -256,7 +259,8 @@ def train_drafter(
     draft.to(device)
     head = head.to(device)
     unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay).to(device)
-    model = DDP(unroll, broadcast_buffers=False) if d.world > 1 else unroll
+    ids = [device.index] if device.type == "cuda" else None
+    model = DDP(unroll, device_ids=ids, broadcast_buffers=False) if d.world > 1 else unroll
     opt = torch.optim.AdamW(draft.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=(0.9, 0.95))
 
     lengths = [len(s.input_ids) for s in train]
