@@ -1,0 +1,160 @@
+"""Export a trained draft as a folder each engine loads as is (``LlamaForCausalLMEagle3``).
+
+Per engine: ``config.json`` (llama fields of the draft, ``draft_vocab_size``, ``target_hidden_size``, the aux
+ids in that engine's meaning and place through :func:`eaglepipe.convention.write_draft_ids`, and an
+``eaglepipe`` block stating the boundaries trained on) and ``model.safetensors`` with exactly ``fc.weight``,
+``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool). The target's
+embeddings are not exported: both engines share the target's.
+
+Refusals (:class:`ExportError`) instead of a folder that loads but drafts garbage (a public converter once
+saved random weights silently): a missing, unexpected or misshapen tensor, a d2t that maps outside the target
+vocabulary or disagrees with t2d, and ids that do not translate back to the trained boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import convention
+from .draft import DraftConfig
+from .errors import ExportError
+from .features import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+ARCH = "LlamaForCausalLMEagle3"
+
+
+def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Name → (shape, dtype or None for any float) of every exported tensor."""
+    H, I, Ht = cfg.hidden_size, cfg.intermediate_size, cfg.target_hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    m = "midlayer."
+    return {
+        "fc.weight": ((H, cfg.n_aux * Ht), None),
+        m + "hidden_norm.weight": ((H,), None),
+        m + "input_layernorm.weight": ((H,), None),
+        m + "self_attn.q_proj.weight": ((q, 2 * H), None),
+        m + "self_attn.k_proj.weight": ((kv, 2 * H), None),
+        m + "self_attn.v_proj.weight": ((kv, 2 * H), None),
+        m + "self_attn.o_proj.weight": ((H, q), None),
+        m + "post_attention_layernorm.weight": ((H,), None),
+        m + "mlp.gate_proj.weight": ((I, H), None),
+        m + "mlp.up_proj.weight": ((I, H), None),
+        m + "mlp.down_proj.weight": ((H, I), None),
+        "norm.weight": ((H,), None),
+        "lm_head.weight": ((cfg.draft_vocab_size, H), None),
+        "d2t": ((cfg.draft_vocab_size,), torch.int64),
+        "t2d": ((cfg.vocab_size,), torch.bool),
+    }
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
+    """Raise ExportError naming every missing, unexpected or misshapen tensor, or a d2t/t2d inconsistency."""
+    want = expected_shapes(cfg)
+    problems = [f"missing {n} {list(s)}" for n, (s, _) in want.items() if n not in tensors]
+    problems += [f"unexpected {n} {list(t.shape)}" for n, t in tensors.items() if n not in want]
+    for n, (shape, dtype) in want.items():
+        t = tensors.get(n)
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            problems.append(f"{n}: shape {list(t.shape)}, expected {list(shape)}")
+        elif dtype is not None and t.dtype != dtype:
+            problems.append(f"{n}: dtype {t.dtype}, expected {dtype}")
+        elif dtype is None and not t.is_floating_point():
+            problems.append(f"{n}: dtype {t.dtype}, expected a float dtype")
+        elif dtype is None and not torch.isfinite(t).all():
+            problems.append(f"{n}: holds NaN/inf")
+    if not problems:
+        target_ids = torch.arange(cfg.draft_vocab_size) + tensors["d2t"]  # (Vd,) target ids
+        if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
+            problems.append(f"d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})")
+        elif not (target_ids[1:] > target_ids[:-1]).all():
+            problems.append("d2t: target ids (draft id + d2t) are not strictly increasing")
+        elif not torch.equal(tensors["t2d"].nonzero().flatten(), target_ids):
+            problems.append("t2d does not mark exactly the target ids that d2t maps to")
+    if problems:
+        raise ExportError("refusing to export the draft:\n  " + "\n  ".join(problems))
+
+
+def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
+    """The llama-style ``config.json`` of the draft (before the engine's aux ids are added)."""
+    return {
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": target_cfg.get("bos_token_id"),
+        "eos_token_id": target_cfg.get("eos_token_id"),
+        "pad_token_id": target_cfg.get("pad_token_id"),
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def export_draft(
+    drafter_dir: Path, target_dir: Path, engine: str, out_dir: Path, layers: list[int], version: str | None = None,
+    dtype: str = "float32",
+) -> dict:
+    """Write ``out_dir`` (config.json + model.safetensors) for ``engine``; returns the config written.
+
+    Args:
+        drafter_dir: train_drafter's output (``config.json`` with the DraftConfig, ``model.safetensors``).
+        layers: the boundaries the draft was trained on (h[k], ascending).
+        version: the engine version the ids are written for (None = installed, else the translator's known).
+    Raises:
+        ExportError: tensors missing/unexpected/misshapen, or ids that do not round-trip to ``layers``.
+        ConventionError: the layers cannot be expressed for this engine / family / version.
+    """
+    drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    meta = json.loads((drafter_dir / "config.json").read_text())
+    cfg = DraftConfig(**meta["draft"])
+    family = convention.family_of(target_cfg)
+    n_layers = convention.n_layers_of(target_cfg)
+    if cfg.n_aux != len(layers):
+        raise ExportError(f"the draft's fc reads {cfg.n_aux} aux states but layers = {layers}")
+    convention.check_fc_width(cfg.n_aux * cfg.target_hidden_size, len(layers), cfg.target_hidden_size)
+    tensors = load_file(str(drafter_dir / "model.safetensors"))
+    check_tensors(tensors, cfg)
+    version = version or convention.installed_version(engine) or convention.KNOWN_VERSIONS.get(engine)
+    config = convention.write_draft_ids(draft_config_json(cfg, target_cfg, dtype), engine, family, layers,
+                                        n_layers, version)
+    back = convention.read_draft_boundaries(config, engine, family, n_layers, version)
+    if back != list(layers):
+        raise ExportError(f"{engine} {version} would feed h{back} for this config, but the draft was trained on "
+                          f"h{list(layers)}; refusing to export")
+    cast = {n: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t) for n, t in tensors.items()}
+    tmp = Path(str(out_dir) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(cast, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    atomic_write_json(tmp / "config.json", config)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    log.info("exported %s draft for %s %s: ids %s", family, engine, version,
+             config["eaglepipe"]["engines"][engine]["ids"])
+    return config

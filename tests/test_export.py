@@ -1,0 +1,71 @@
+"""export: engine folders with ids in each engine's meaning and place; refusals instead of broken folders."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglepipe import convention
+from eaglepipe.draft import DraftConfig, Eagle3Draft, save_draft
+from eaglepipe.errors import ConventionError, ExportError
+from eaglepipe.export import export_draft
+
+
+@pytest.fixture
+def drafter(tmp_path, tiny_target):
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(json.loads((tiny_target / "config.json").read_text()), n_aux=3, draft_vocab_size=40)
+    draft = Eagle3Draft(cfg)
+    target_ids = torch.arange(0, 80, 2)  # every other target token
+    t2d = torch.zeros(99, dtype=torch.bool)
+    t2d[target_ids] = True
+    draft.set_vocab(target_ids - torch.arange(40), t2d)
+    save_draft(draft, tmp_path / "drafter")
+    return tmp_path / "drafter"
+
+
+@pytest.mark.parametrize("engine,version,field,ids", [
+    ("vllm", "0.32.0", "top", [1, 2, 3]),      # vLLM: id i = h[i]
+    ("sglang", "0.5.23", "nested", [0, 1, 2]),  # SGLang llama: id i = h[i+1]
+])
+def test_export_per_engine(drafter, tiny_target, tmp_path, engine, version, field, ids):
+    out = tmp_path / engine
+    cfg = export_draft(drafter, tiny_target, engine, out, [1, 2, 3], version)
+    on_disk = json.loads((out / "config.json").read_text())
+    assert on_disk == cfg
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert (cfg["draft_vocab_size"], cfg["target_hidden_size"], cfg["vocab_size"]) == (40, 32, 99)
+    got = cfg["eagle_aux_hidden_state_layer_ids"] if field == "top" else cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert got == ids and cfg["num_aux_hidden_states"] == 3
+    assert cfg["eaglepipe"]["aux_boundaries"] == [1, 2, 3]
+    assert convention.read_draft_boundaries(cfg, engine, "llama", 4, version) == [1, 2, 3]
+    w = load_file(out / "model.safetensors")
+    assert "embed_tokens.weight" not in w and w["fc.weight"].shape == (32, 96)
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert (torch.arange(40) + w["d2t"]).tolist() == list(range(0, 80, 2))
+
+
+def test_refuses_bad_tensors(drafter, tiny_target, tmp_path):
+    w = load_file(drafter / "model.safetensors")
+    for mutate, msg in [
+        (lambda t: t.pop("norm.weight"), "missing norm.weight"),
+        (lambda t: t.update({"extra.weight": torch.zeros(2)}), "unexpected extra.weight"),
+        (lambda t: t.update({"fc.weight": torch.zeros(32, 64)}), "fc.weight: shape [32, 64], expected [32, 96]"),
+        (lambda t: t.update({"d2t": t["d2t"] + 60}), "outside the target vocabulary"),
+        (lambda t: t.update({"t2d": torch.ones(99, dtype=torch.bool)}), "t2d does not mark exactly"),
+    ]:
+        bad = dict(w)
+        mutate(bad)
+        save_file(bad, str(drafter / "model.safetensors"))
+        with pytest.raises(ExportError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            export_draft(drafter, tiny_target, "vllm", tmp_path / "out", [1, 2, 3], "0.32.0")
+        assert not (tmp_path / "out").exists()
+    save_file(w, str(drafter / "model.safetensors"))
+
+
+def test_refuses_uncapturable_and_mismatched_layers(drafter, tiny_target, tmp_path):
+    with pytest.raises(ConventionError):  # h[N] = h[4]: SGLang's llama cannot capture it
+        export_draft(drafter, tiny_target, "sglang", tmp_path / "s", [1, 2, 4], "0.5.23")
+    with pytest.raises(ExportError, match="reads 3 aux states"):
+        export_draft(drafter, tiny_target, "vllm", tmp_path / "v", [1, 2], "0.32.0")
