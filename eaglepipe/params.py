@@ -30,8 +30,8 @@ class PromptsParams(_Strict):
     source: str = Field("sharegpt", description="'sharegpt' or a .json (ShareGPT) / .jsonl (messages) path")
     max_records: int = Field(4000, ge=0, description="records read before filtering (0 = all)")
     max_turns: int = Field(1, ge=1, description="user→assistant exchanges kept per conversation")
-    max_chars: int = Field(2000, ge=16, description="messages are cut to this many characters")
-    train: int = Field(160, ge=1)
+    max_chars: int = Field(1200, ge=16, description="messages are cut to this many characters")
+    train: int = Field(128, ge=1)
     eval: int = Field(16, ge=0)
     mtbench: bool = True
     seed: int = 0
@@ -40,7 +40,7 @@ class PromptsParams(_Strict):
 class ExtractParams(_Strict):
     engine: Engine = "hf"
     regenerate: bool = True
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
     batch_size: int = Field(16, ge=1)
