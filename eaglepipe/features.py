@@ -103,6 +103,10 @@ class ShardWriter:
         self.scratch = Path(scratch_root) / key
         self.key = key
         self.shard_size = shard_size
+        for stale in self.scratch.parent.glob("*"):  # partial work of other params is never reused: drop it
+            if stale.is_dir() and stale.name != key:
+                log.info("removing stale partial extraction %s", stale)
+                shutil.rmtree(stale, ignore_errors=True)
         self.scratch.mkdir(parents=True, exist_ok=True)
 
     def done(self, i: int) -> bool:
