@@ -146,6 +146,9 @@ class VLLMEngine(Engine):
         capture_ids: ids (vLLM meaning) that the capture instance records in addition to those asked for,
             so that later ``capture`` calls with a subset reuse it instead of restarting (~30 s each).
         enforce_eager: no torch.compile (compiling costs ~2 min of start-up on CPU for no speed-up here).
+        seed: vLLM's global seed.
+        llm_kwargs: more keyword arguments for every ``vllm.LLM`` this engine starts (e.g. on a GPU:
+            ``{"gpu_memory_utilization": 0.5}``).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2, "generate": 29.8}.
         n_layers: N of the target.
@@ -156,7 +159,8 @@ class VLLMEngine(Engine):
     def __init__(
         self, target_dir, dtype: str = "float32", kv_cache_gib: float = 2, threads_bind: str | None = None,
         work_dir: str | Path | None = None, max_model_len: int | None = None,
-        capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0, **_,
+        capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0,
+        llm_kwargs: dict | None = None, **_,
     ):
         super().__init__(target_dir, dtype)
         self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
@@ -170,6 +174,7 @@ class VLLMEngine(Engine):
         self._llm = None
         self._mode: tuple | None = None
         self._store: Path | None = None  # where the connector writes hidden-state files
+        self._extra = dict(llm_kwargs or {})
 
     @property
     def version(self) -> str:
@@ -181,14 +186,25 @@ class VLLMEngine(Engine):
         """The running ``LLM`` for ``mode``; closes another mode's instance first and times the start."""
         if self._mode == mode:
             return self._llm
-        self.close()
+        if self._llm is not None:
+            self.close()
         from vllm import LLM
 
         t0 = time.perf_counter()
-        llm = LLM(
-            model=str(self.target_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
-            max_model_len=self.max_model_len, seed=self.seed, **kwargs,
-        )
+        preload = os.environ.get("LD_PRELOAD")
+        try:
+            llm = LLM(
+                model=str(self.target_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
+                max_model_len=self.max_model_len, seed=self.seed, **self._extra, **kwargs,
+            )
+        finally:
+            # vLLM's CPU platform adds torch's libgomp to LD_PRELOAD in OUR environment so that its spawned
+            # engine process gets it; that process has started now, so keep it from leaking into every
+            # later subprocess of ours (git, dvc, compilers).
+            if preload is None:
+                os.environ.pop("LD_PRELOAD", None)
+            else:
+                os.environ["LD_PRELOAD"] = preload
         self.startup_s[mode[0]] = time.perf_counter() - t0
         log.info("vllm %s instance started in %.1f s", mode[0], self.startup_s[mode[0]])
         self._llm, self._mode = llm, mode
@@ -211,7 +227,7 @@ class VLLMEngine(Engine):
         if self._mode and self._mode[0] == "capture" and want <= set(self._mode[1]):
             return self._llm, list(self._mode[1])
         recorded = sorted(want | set(self.capture_ids))
-        self.close()
+        self.close()  # before making the new store: _start closes nothing more once no instance runs
         self._store = Path(tempfile.mkdtemp(prefix="hidden-", dir=self.work_dir))
         llm = self._start(
             ("capture", tuple(recorded)),
@@ -259,9 +275,10 @@ class VLLMEngine(Engine):
             cleanup_hidden_states(path)
             got = data["token_ids"].tolist()
             if got != list(seq):
+                first = next((t for t, (a, b) in enumerate(zip(got, seq)) if a != b), min(len(got), len(seq)))
                 raise CaptureMismatch(
-                    f"sequence {j}: vLLM captured {len(got)} tokens that differ from the {len(seq)} sent "
-                    f"(first difference at {next((t for t, (a, b) in enumerate(zip(got, seq)) if a != b), min(len(got), len(seq)))})"
+                    f"sequence {j}: vLLM's file holds {len(got)} token ids, the request had {len(seq)}; "
+                    f"first difference at position {first}: these states are not the sequence's"
                 )
             hs = data["hidden_states"]  # shape: [T, len(recorded), H], model dtype
             result.append(hs[:, cols].float().contiguous())  # shape: [T, len(ids), H]
