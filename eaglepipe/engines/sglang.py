@@ -1,0 +1,478 @@
+"""The ``sglang`` engine: SGLang's own code (``sglang.Engine``, 0.5.23) behind :class:`Engine`.
+
+Id meaning (engine "sglang" in :mod:`eaglepipe.convention`): whatever SGLang's model class makes of the ids.
+This module passes ids through untouched, exactly as a draft's ``config.json`` would hand them to SGLang:
+for llama/qwen2/qwen3 ``set_eagle3_layers_to_capture`` stores ``layers_to_capture = [i + 1 for i in ids]``
+and the decoder loop records ``hidden_states + residual`` before layer i+1 runs, so id i = h[i+1] ("output
+of layer i"); DeepSeek-V2/V3 add the +1 only when ``ids[0] == 1``. Symbolically, SmolLM2 (N = 30)::
+
+    ids fed to SGLang     2      15      27
+    layers_to_capture     3      16      28     (captured before these layers run)
+    SGLang returns        h[3]   h[16]   h[28]  (vLLM would read the same ids as h[2], h[15], h[27])
+
+Capture path: the one that feeds a drafter at serving time. The target runs in SGLang's capture-only
+EAGLE-3 mode (server args ``enable_return_aux_hidden_states=True``, ``speculative_algorithm="EAGLE3"``
+naming the convention, ``return_aux_hidden_state_layer_ids=ids``): SGLang calls the model's
+``set_eagle3_layers_to_capture(ids)``, and each request with ``return_hidden_states=True`` receives, per
+prompt token, the concatenated aux states (``[T, len(ids)·H]``) in place of the last hidden state. A
+prefill with ``max_new_tokens=1`` (the sampled token is discarded); the radix cache is off, so every token
+is recomputed and captured.
+
+Processes: SGLang's ``Engine`` sets the global multiprocessing start method, installs signal handlers and
+starts a scheduler and a detokenizer process; on CPU it also needs the stand-ins of
+:mod:`.sgl_kernel_cpu_shim`. So it runs in a worker process of its own (``spawn``), driven through a pipe;
+the caller's process never imports sglang. The worker keeps sglang imported between instances; one
+SGLang instance ("mode") runs at a time:
+
+- ``("capture", ids)``: capture-only mode for exactly those ids. The ids are server arguments, so other ids
+  need a new instance (~20–40 s on 2 cores) unless ``capture_ids`` declared a superset up front and the
+  superset gives every requested id the same meaning (checked with :mod:`eaglepipe.convention`:
+  DeepSeek's first-id heuristic reads a list as a whole).
+- ``("generate",)``: a plain instance. ``generate`` reuses a running capture instance instead of starting
+  one (capture-only mode records aux states but leaves sampling untouched).
+- EAGLE-3 serving (:func:`serve_eagle3`): CUDA only — SGLang's EAGLE-3 worker needs its GPU kernels
+  (tree building/verification, draft KV bookkeeping: the ``*_cpu`` ops of sgl_kernel that the shim
+  refuses).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from importlib.metadata import version as pkg_version
+from pathlib import Path
+
+import torch
+
+from .. import convention
+from ..errors import CaptureMismatch, ConventionError, EaglepipeError
+from .base import Engine
+
+log = logging.getLogger(__name__)
+
+
+# Set to "1" in the worker's environment (inherited by SGLang's subprocesses) when the CPU stand-ins apply.
+_SHIM_ENV = "EAGLEPIPE_SGLANG_CPU_SHIM"
+
+
+class SGLangError(EaglepipeError):
+    """SGLang failed inside its worker; the message carries the worker's traceback."""
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+
+def _hidden_rows(entries: list, n_tokens: int, rid: int) -> torch.Tensor:
+    """Prompt rows of SGLang's ``meta_info["hidden_states"]``: float32 [T, D].
+
+    SGLang appends one 2-D entry per prefill chunk (``[chunk_len, D]``) and one 1-D entry per decode step;
+    the prompt's rows are the 2-D entries in order.
+    """
+    chunks = [torch.tensor(e, dtype=torch.float32) for e in entries if e and isinstance(e[0], list)]
+    rows = torch.cat(chunks) if chunks else torch.empty(0)  # shape: (T, D)
+    if rows.shape[0] != n_tokens:
+        raise CaptureMismatch(
+            f"sequence {rid}: SGLang returned hidden states for {rows.shape[0]} prompt tokens, expected "
+            f"{n_tokens} (a cached prefix is not recomputed; is the radix cache on?)"
+        )
+    return rows
+
+
+def _worker_main(conn: Connection) -> None:
+    """The worker process: owns one ``sglang.Engine`` at a time; answers (op, kwargs) messages on ``conn``.
+
+    Runs as ``python -m eaglepipe.engines.sglang`` (see the bottom of this file): SGLang's subprocesses are
+    started with ``spawn`` and re-run this file as ``__mp_main__`` before anything else, which installs the
+    CPU stand-ins in each of them before SGLang's code is unpickled there.
+    """
+    import sglang
+    from sglang.srt.entrypoints.engine import Engine as SGLEngine
+
+    engine = None
+
+    def stop():
+        nonlocal engine
+        if engine is not None:
+            engine.shutdown()
+            engine = None
+
+    while True:
+        try:
+            op, kw = conn.recv()
+        except EOFError:  # the driving process is gone
+            stop()
+            return
+        try:
+            if op == "start":
+                stop()
+                t0 = time.perf_counter()
+                engine = SGLEngine(**kw)
+                result = {"startup_s": time.perf_counter() - t0, "version": sglang.__version__}
+            elif op == "capture":
+                outs = engine.generate(
+                    input_ids=kw["sequences"], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                    return_hidden_states=True,
+                )
+                result = [
+                    _hidden_rows(o["meta_info"]["hidden_states"], len(s), j).numpy()
+                    for j, (s, o) in enumerate(zip(kw["sequences"], outs))
+                ]
+            elif op == "generate":
+                t0 = time.perf_counter()
+                outs = engine.generate(input_ids=kw["prompts"], sampling_params=kw["sampling_params"])
+                result = {
+                    "outputs": [list(o["output_ids"]) for o in outs],
+                    "meta": [{k: v for k, v in o["meta_info"].items() if k.startswith(("spec_", "completion"))}
+                             for o in outs],
+                    "seconds": time.perf_counter() - t0,
+                }
+            elif op == "stop":
+                stop()
+                result = None
+            elif op == "exit":
+                stop()
+                conn.send(("ok", None))
+                return
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 — everything goes back to the caller, the worker lives on
+            conn.send(("error", traceback.format_exc()))
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+def _n_layers(target_dir: Path) -> int:
+    return convention.n_layers_of(json.loads((Path(target_dir) / "config.json").read_text()))
+
+
+def _family(target_dir: Path) -> str | None:
+    try:
+        return convention.family_of(json.loads((Path(target_dir) / "config.json").read_text()))
+    except ConventionError:
+        return None
+
+
+def draft_layer_ids(draft_dir: str | Path) -> list[int] | None:
+    """The ids SGLang reads from a draft: nested ``eagle_config.eagle_aux_hidden_state_layer_ids`` only.
+
+    None when absent (SGLang then uses the model's default, h[2], h[N//2], h[N-3]). Mirrors
+    ``_resolve_eagle_aux_hidden_state`` (srt/model_executor/model_runner_components/spec_aux_hidden_state.py).
+    """
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+    ids, _ = convention.config_ids(cfg, "sglang")
+    return ids
+
+
+class SGLangEngine(Engine):
+    """A target served by SGLang (see the module docstring for processes and modes).
+
+    Args:
+        target_dir: HF folder of the target.
+        dtype: "float32" | "bfloat16" | "float16" (fp32 for parity; bf16 is slower on CPUs without it).
+        device: "cpu" | "cuda"; default: cuda when torch sees one. On CPU the stand-ins of
+            :mod:`.sgl_kernel_cpu_shim` are installed in SGLang's processes and attention is SGLang's
+            ``torch_native`` backend.
+        max_total_tokens: KV-cache slots (also the longest sequence; fp32 SmolLM2: ~46 KB per token).
+        capture_ids: ids (SGLang meaning) recorded in addition to those asked for, so that later
+            ``capture`` calls with a subset reuse one instance (only where the subset keeps its meaning).
+        seed: SGLang's ``random_seed``.
+        log_level: SGLang's log level inside the worker ("error" keeps test output clean).
+        start_timeout: seconds one request to the worker may take before it is declared hung.
+        engine_kwargs: further ``sglang.Engine`` server arguments for every instance.
+    Attributes:
+        startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2}.
+        n_layers: N of the target.
+    """
+
+    name = "sglang"
+
+    def __init__(
+        self, target_dir, dtype: str = "float32", device: str | None = None, max_total_tokens: int = 8192,
+        capture_ids: list[int] | None = None, seed: int = 0, log_level: str = "error",
+        start_timeout: float = 900, engine_kwargs: dict | None = None, **_,
+    ):
+        super().__init__(target_dir, dtype)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.n_layers = _n_layers(self.target_dir)
+        self.family = _family(self.target_dir)
+        self.max_total_tokens = max_total_tokens
+        self.capture_ids = sorted(set(capture_ids or []))
+        self.seed = seed
+        self.log_level = log_level
+        self.timeout = start_timeout
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.startup_s: dict[str, float] = {}
+        self._version: str | None = None
+        self._proc = None
+        self._conn = None
+        self._mode: tuple | None = None
+
+    @property
+    def version(self) -> str:
+        return self._version or pkg_version("sglang")
+
+    # ---------------------------------------------------------------- worker and instances
+
+    def _spawn_worker(self) -> None:
+        """Start ``python -m eaglepipe.engines.sglang FD`` with one end of a socket pair as its pipe."""
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ, HF_HUB_OFFLINE="1")  # targets are local folders; never reach for a hub
+        env[_SHIM_ENV] = "1" if self.device == "cpu" else "0"
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU branches (without it: GPU paths, vllm imports)
+        fd = child_sock.fileno()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(fd)], env=env, pass_fds=(fd,), start_new_session=True,
+        )
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+
+    def _call(self, op: str, **kw):
+        if self._proc is None:
+            self._spawn_worker()
+        self._conn.send((op, kw))
+        if not self._conn.poll(self.timeout):
+            self._kill()
+            raise SGLangError(f"SGLang worker gave no answer to {op!r} within {self.timeout:.0f} s; killed it")
+        try:
+            status, result = self._conn.recv()
+        except EOFError:
+            code = self._proc.wait(10)
+            self._kill()
+            raise SGLangError(f"SGLang worker died during {op!r} (exit code {code})") from None
+        if status == "error":
+            raise SGLangError(f"SGLang failed during {op!r} (worker traceback follows)\n{result}")
+        return result
+
+    def _kill(self) -> None:
+        """Kill the worker and every process SGLang started under it."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                try:
+                    os.killpg(self._proc.pid, signal.SIGKILL)  # the worker leads its own process group
+                except ProcessLookupError:
+                    pass
+            self._proc.wait(10)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn, self._mode = None, None, None
+
+    def _start(self, mode: tuple, **server_args) -> None:
+        """Make ``mode`` the running SGLang instance (stopping another one first) and time its start."""
+        if self._mode == mode:
+            return
+        kw = dict(
+            model_path=str(self.target_dir), device=self.device, dtype=self.dtype, random_seed=self.seed,
+            disable_radix_cache=True, max_total_tokens=self.max_total_tokens, log_level=self.log_level,
+        )
+        kw.update(self.engine_kwargs)
+        kw.update(server_args)
+        self._mode = None
+        res = self._call("start", **kw)
+        self.startup_s[mode[0]] = res["startup_s"]
+        self._version = res["version"]
+        self._mode = mode
+        log.info("sglang %s instance started in %.1f s", mode[0], res["startup_s"])
+
+    def close(self) -> None:
+        """Stop SGLang and its worker (gracefully, else by killing its process group). Safe to call twice."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._conn.send(("exit", {}))
+                if self._conn.poll(60):
+                    self._conn.recv()
+                self._proc.wait(30)
+            except (OSError, EOFError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---------------------------------------------------------------- capture
+
+    def _same_meaning(self, ids: list[int], recorded: list[int]) -> bool:
+        """Do ``ids`` mean the same boundaries inside the list ``recorded`` as fed alone?"""
+        if ids == recorded:
+            return True
+        if not set(ids) <= set(recorded) or self.family is None:
+            return False
+        try:
+            alone = convention.boundaries_of("sglang", self.family, ids, self.n_layers)
+            within = convention.boundaries_of("sglang", self.family, recorded, self.n_layers)
+        except ConventionError:
+            return False
+        return [within[recorded.index(i)] for i in ids] == alone
+
+    def _capture_instance(self, ids: list[int]) -> list[int]:
+        """Start (or reuse) a capture-only instance that records ``ids``; returns the ids it records."""
+        if self._mode and self._mode[0] == "capture" and self._same_meaning(ids, list(self._mode[1])):
+            return list(self._mode[1])
+        recorded = sorted(set(ids) | set(self.capture_ids))
+        if not self._same_meaning(ids, recorded):
+            recorded = list(ids)
+        self._start(
+            ("capture", tuple(recorded)),
+            enable_return_aux_hidden_states=True,
+            speculative_algorithm="EAGLE3",  # in capture-only mode: names the capture convention only
+            return_aux_hidden_state_layer_ids=recorded,
+        )
+        return recorded
+
+    def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
+        """What SGLang feeds an EAGLE-3 drafter for ``ids`` (SGLang meaning), per sequence float32 [T, len(ids), H].
+
+        Raises ValueError for ids that are not strictly ascending or outside SGLang's accepted [0, N)
+        (SGLang's own check; an id whose layer the model cannot capture, e.g. N-1 for llama, fails at
+        the first forward inside SGLang), SGLangError when SGLang fails, CaptureMismatch when it returns
+        another number of rows than tokens sent.
+        """
+        ids = list(ids)
+        if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.n_layers:
+            raise ValueError(
+                f"sglang capture: ids {ids} must be strictly ascending within [0, {self.n_layers}) "
+                f"(SGLang's --return-aux-hidden-state-layer-ids check; N = {self.n_layers})"
+            )
+        recorded = self._capture_instance(ids)
+        cols = torch.tensor([recorded.index(i) for i in ids])  # recorded order → requested order
+        rows = self._call("capture", sequences=[list(map(int, s)) for s in sequences])
+        out = []
+        for r in rows:
+            hs = torch.from_numpy(r)  # shape: (T, len(recorded) * H), SGLang's concatenation
+            hs = hs.view(hs.shape[0], len(recorded), -1)  # shape: (T, len(recorded), H)
+            out.append(hs[:, cols].contiguous())  # shape: (T, len(ids), H)
+        return out
+
+    def capture_for_draft(self, sequences: list[list[int]], draft_dir: str | Path) -> list[torch.Tensor]:
+        """What SGLang would feed the draft in ``draft_dir``: :meth:`capture` with its nested ids."""
+        ids = draft_layer_ids(draft_dir)
+        if ids is None:
+            raise ConventionError(
+                f"{draft_dir}/config.json has no {convention.NESTED_FIELD}: SGLang would use its default"
+            )
+        return self.capture(sequences, ids)
+
+    # ---------------------------------------------------------------- generation
+
+    @staticmethod
+    def _sampling(n: int, max_new_tokens: int, temperature: float, seed: int) -> list[dict]:
+        if temperature <= 0:
+            return [{"max_new_tokens": max_new_tokens, "temperature": 0.0}] * n
+        # One seed per prompt (seed + index): reproducible, and two equal prompts still get two samples.
+        return [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0, "top_k": -1,
+                 "sampling_seed": seed + i} for i in range(n)]
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, seed=0):
+        """Complete each prompt (token ids) through ``sglang.Engine.generate``; greedy when temperature is 0.
+
+        SGLang stops at the model's EOS (generation_config) and includes it in ``output_ids``.
+        """
+        if self._mode is None or self._mode[0] not in ("capture", "generate"):
+            self._start(("generate",))
+        res = self._call("generate", prompts=[list(map(int, p)) for p in prompts],
+                         sampling_params=self._sampling(len(prompts), max_new_tokens, temperature, seed))
+        return res["outputs"]
+
+    def generate_timed(self, prompts, max_new_tokens, **server_args) -> dict:
+        """Greedy completions, timed, on a plain instance or one started with ``server_args``.
+
+        A one-token warm-up request runs first. Returns {"outputs", "meta" (SGLang's per-request
+        ``spec_*`` / ``completion_tokens``), "seconds", "tokens", "tokens_per_s", "startup_s"}.
+        """
+        mode = ("spec", json.dumps(server_args, sort_keys=True)) if server_args else ("generate",)
+        self._start(mode, **server_args)
+        self._call("generate", prompts=[list(prompts[0])], sampling_params=self._sampling(1, 1, 0.0, 0))
+        res = self._call("generate", prompts=[list(map(int, p)) for p in prompts],
+                         sampling_params=self._sampling(len(prompts), max_new_tokens, 0.0, 0))
+        n = sum(len(o) for o in res["outputs"])
+        return {**res, "tokens": n, "tokens_per_s": n / res["seconds"], "startup_s": self.startup_s[mode[0]]}
+
+
+def eagle3_server_args(draft_dir: str | Path, k: int) -> dict:
+    """SGLang server arguments that serve ``draft_dir`` with EAGLE-3, k drafted tokens per step (a chain)."""
+    return {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": str(draft_dir),
+        "speculative_num_steps": k,  # draft forward passes per step
+        "speculative_eagle_topk": 1,  # a chain, not a tree: comparable with vLLM's k
+        "speculative_num_draft_tokens": k + 1,  # the verified block: last accepted token + k drafts
+    }
+
+
+def serve_eagle3(
+    target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
+    engine: SGLangEngine | None = None, **engine_opts,
+) -> dict:
+    """Serve ``draft_dir`` with SGLang's EAGLE-3 (k drafted tokens per step) and the target without it; compare.
+
+    CUDA only: SGLang's EAGLE-3 worker needs its GPU kernels (on CPU the tree/verify/draft-KV ops are the
+    unpublished ``*_cpu`` kernels); raises SGLangError on a machine without CUDA. Both runs are greedy,
+    same prompts (token ids) and ``max_new_tokens``. τ (mean acceptance length, tokens per target
+    forward) = Σ completion_tokens / Σ spec_verify_ct, from SGLang's own per-request ``meta_info``.
+
+    Returns:
+        dict with k, tau, accept_rate (accepted drafts / proposed), verify_steps, tokens_per_s_draft,
+        tokens_per_s_plain, speedup, startup_s_draft, startup_s_plain, outputs_draft, outputs_plain,
+        outputs_equal, prompts, max_new_tokens, engine_version.
+    """
+    if not torch.cuda.is_available():
+        raise SGLangError(
+            "EAGLE-3 serving with SGLang needs CUDA: its EAGLE worker builds and verifies draft trees and "
+            "keeps the draft's KV with sgl_kernel GPU kernels, whose CPU builds are not published (see "
+            "eaglepipe/engines/sgl_kernel_cpu_shim.py). Run serve_eval for sglang on a CUDA machine."
+        )
+    own = engine is None
+    engine = engine or SGLangEngine(target_dir, **engine_opts)
+    try:
+        d = engine.generate_timed(prompts, max_new_tokens, **eagle3_server_args(draft_dir, k))
+        p = engine.generate_timed(prompts, max_new_tokens)
+    finally:
+        if own:
+            engine.close()
+    verify = sum(m.get("spec_verify_ct", 0) for m in d["meta"])
+    completion = sum(m.get("completion_tokens", 0) for m in d["meta"])
+    correct = sum(m.get("spec_num_correct_drafts", 0) for m in d["meta"])
+    proposed = sum(m.get("spec_num_proposed_drafts", 0) for m in d["meta"])
+    return {
+        "k": k,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "tau": completion / max(verify, 1),
+        "accept_rate": correct / max(proposed, 1),
+        "verify_steps": verify,
+        "tokens_per_s_draft": d["tokens_per_s"],
+        "tokens_per_s_plain": p["tokens_per_s"],
+        "speedup": d["tokens_per_s"] / p["tokens_per_s"],
+        "startup_s_draft": d["startup_s"],
+        "startup_s_plain": p["startup_s"],
+        "outputs_draft": d["outputs"],
+        "outputs_plain": p["outputs"],
+        "outputs_equal": d["outputs"] == p["outputs"],
+        "engine_version": engine.version,
+    }
+
+
+# ------------------------------------------------------------------------------------------ entry points
+# ``__main__``: the worker, started by SGLangEngine with the fd of its end of the pipe.
+# ``__mp_main__``: a process SGLang spawned from the worker (scheduler, detokenizer); multiprocessing re-runs
+# the parent's main module under this name before it unpickles the process' target and arguments.
+if __name__ in ("__main__", "__mp_main__") and os.environ.get(_SHIM_ENV) == "1":
+    from eaglepipe.engines import sgl_kernel_cpu_shim
+
+    sgl_kernel_cpu_shim.install()  # before anything imports sglang in this process
+
+if __name__ == "__main__":
+    _worker_main(Connection(int(sys.argv[1])))
