@@ -5,7 +5,7 @@ Numbered steps (as in :func:`train_drafter`):
  1. read the features (token hashes re-checked by FeatureSet), the target's config / head / embeddings;
  2. split samples into train / eval by a hash of (seed, sample id) — stable when samples are added;
  3. draft vocabulary from the train split's predicted tokens (vocab.py);
- 4. build the draft (seeded), lm_head initialised from the target's lm_head rows of the draft vocabulary;
+ 4. build the draft (seeded); lm_head and norm start as the target's (lm_head rows of the draft vocabulary);
  5. resume from ``<scratch>/<run key>/last.pt`` when a killed run with the same key left one;
  6. per epoch: shuffle (seed, epoch), pack into rows of ≤ batch_tokens, rank r takes micro-batches r::world,
     an optimizer step every grad_accum micro-batches; checkpoint every checkpoint_every steps;
@@ -77,11 +77,12 @@ def pack(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int
     return rows
 
 
-def collate(samples: list[FeatureSample], max_tokens: int) -> Batch:
-    """Samples → one packed row (B = 1); each sample is cut to max_tokens."""
+def collate(samples: list[FeatureSample], max_tokens: int, inv: dict[str, torch.Tensor] | None = None) -> Batch:
+    """Samples → one packed row (B = 1); each sample is cut to max_tokens. ``inv``: sample id → top-1-in-vocab."""
     parts = [(s, min(len(s.input_ids), max_tokens)) for s in samples]
     cat = lambda f: torch.cat([getattr(s, f)[:n] for s, n in parts])[None]  # noqa: E731  (1, T, ...)
     return Batch(
+        top_in_vocab=None if inv is None else torch.cat([inv[s.id][:n] for s, n in parts])[None],  # (1, T)
         input_ids=cat("input_ids").long(),  # (1, T)
         positions=torch.cat([torch.arange(n) for _, n in parts])[None],  # (1, T)
         doc=torch.cat([torch.full((n,), d) for d, (_, n) in enumerate(parts)])[None],  # (1, T)
@@ -89,6 +90,12 @@ def collate(samples: list[FeatureSample], max_tokens: int) -> Batch:
         aux=cat("aux"),  # (1, T, L, Ht)
         last=cat("last"),  # (1, T, H)
     )
+
+
+def top1_in_vocab(head, samples: list[FeatureSample], t2d: torch.Tensor) -> dict[str, torch.Tensor]:
+    """sample id → (T,) bool: the target's full-vocabulary top-1 is in the draft vocabulary (one pass, reused)."""
+    dev = head.lm_head.device
+    return {s.id: soft_targets(head, s.last[None].to(dev), t2d).top_in_vocab[0].cpu() for s in samples}
 
 
 def epoch_rows(lengths: list[int], seed: int, epoch: int, max_tokens: int) -> list[list[int]]:
@@ -176,15 +183,15 @@ class State:
 
 
 @torch.no_grad()
-def evaluate(unroll: TTTUnroll, head, samples, max_tokens: int, device, autocast) -> dict:
+def evaluate(unroll: TTTUnroll, head, samples, inv, max_tokens: int, device, autocast) -> dict:
     """TTT on held-out samples: per-step accuracy over counted positions, mean loss, τ_sim, OOV top-1 share."""
     lengths = [len(s.input_ids) for s in samples]
     S = unroll.steps
     correct, counted, trained = torch.zeros(S), torch.zeros(S), torch.zeros(S)
     loss, n = 0.0, 0
     for row in pack(lengths, list(range(len(samples))), max_tokens):
-        b = collate([samples[i] for i in row], max_tokens).to(device)
-        soft = soft_targets(head, b.last, unroll.draft.t2d)
+        b = collate([samples[i] for i in row], max_tokens, inv).to(device)
+        soft = soft_targets(head, b.last, unroll.draft.t2d, b.top_in_vocab)
         with autocast():
             r = unroll(b, soft)
         correct += r.correct.cpu()
@@ -254,10 +261,12 @@ def train_drafter(
     torch.manual_seed(p.seed)
     draft = Eagle3Draft(cfg)
     draft.set_vocab(vocab.d2t, vocab.t2d)
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H) start from the target's own head rows
+    with torch.no_grad():  # start from the target's own output head: its lm_head rows and its final norm
+        draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
+        draft.norm.weight.copy_(head.norm_weight)  # (H,)
     draft.to(device)
     head = head.to(device)
+    inv = top1_in_vocab(head, samples, draft.t2d)  # sample id → (T,) bool, on the CPU like the samples
     unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay).to(device)
     ids = [device.index] if device.type == "cuda" else None
     model = DDP(unroll, device_ids=ids, broadcast_buffers=False) if d.world > 1 else unroll
@@ -315,8 +324,8 @@ def train_drafter(
         t0 = time.time()
         acc_stats = torch.zeros(3 * p.ttt_steps + 2, device=device)  # loss_j, correct_j, counted_j, loss, tokens
         while st.micro < n_micro:
-            b = collate([train[i] for i in mine[st.micro]], p.batch_tokens).to(device)
-            soft = soft_targets(head, b.last, draft.t2d)
+            b = collate([train[i] for i in mine[st.micro]], p.batch_tokens, inv).to(device)
+            soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab)
             last_micro = (st.micro + 1) % p.grad_accum == 0
             sync = model.no_sync() if (d.world > 1 and not last_micro) else nullcontext()
             with sync:
@@ -361,7 +370,7 @@ def train_drafter(
                 return {"stopped_at": st.step, "losses": st.losses}
         st.seconds += time.time() - t0
 
-        ev = evaluate(unroll, head, held, p.batch_tokens, device, autocast)
+        ev = evaluate(unroll, head, held, inv, p.batch_tokens, device, autocast)
         ev["epoch"], ev["step"] = st.epoch, st.step
         st.evals.append(ev)
         log.info("epoch %d: eval loss %.4f, acc %s, tau_sim %.3f", st.epoch, ev["loss"],

@@ -57,9 +57,10 @@ class Batch:
     loss_mask: torch.Tensor  # (B, T) bool, loss_mask[t] = x_{t+1} is assistant text
     aux: torch.Tensor  # (B, T, L, Ht)
     last: torch.Tensor  # (B, T, H) h[N] pre-norm
+    top_in_vocab: torch.Tensor | None = None  # (B, T) bool, the target's top-1 is in the draft vocab (if known)
 
     def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f).to(device) for f in ("input_ids", "positions", "doc", "loss_mask", "aux", "last")))
+        return Batch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:

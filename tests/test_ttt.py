@@ -164,4 +164,7 @@ def test_soft_targets_match_the_hf_target(tiny_target):
     st = soft_targets(head, captured["last"], t2d, chunk=4)
     torch.testing.assert_close(st.p, torch.softmax(logits[..., ::2], -1), rtol=1e-5, atol=1e-6)
     assert st.top_in_vocab.tolist() == (logits.argmax(-1) % 2 == 0).tolist()
+    fast = soft_targets(head, captured["last"], t2d, top_in_vocab=st.top_in_vocab)  # only the draft rows
+    torch.testing.assert_close(fast.p, st.p)
+    assert fast.top.tolist() == st.top.tolist()
     json.dumps(st.top.tolist())  # plain ints
