@@ -168,3 +168,30 @@ def test_soft_targets_match_the_hf_target(tiny_target):
     torch.testing.assert_close(fast.p, st.p)
     assert fast.top.tolist() == st.top.tolist()
     json.dumps(st.top.tolist())  # plain ints
+
+
+def test_ttt_steps_equal_the_serving_chain(draft):
+    """Step j at position t of the unroll == the j-th draft forward of a KV-cache decoder that accepted x_0..x_{t+1}
+    and drafts with teacher-forced tokens: same keys visible, same RoPE positions, same fed-back hidden state."""
+    from eaglepipe.draft import KVCache, draft_step
+
+    torch.manual_seed(3)
+    embed = torch.randn(99, 32)
+    ids = [5, 17, 42, 8, 63, 21, 90, 11]
+    b = _batch(ids, [0] * 8, [1] * 8)
+    b.aux = torch.randn(1, 8, 3, 32)
+    att, hidden, outs = TTTAttention(b.doc), draft.project(b.aux), []
+    for j in range(3):
+        s = align_step(b, _soft(8, 8), j)
+        hidden = draft.layer(embed[s.ids], hidden, s.positions, att.attend)
+        outs.append(hidden)
+    x = torch.tensor([ids])
+    for t in (0, 2, 4):
+        cache = KVCache()  # extend: (g_s, x_{s+1}) at positions s = 0..t
+        r = draft_step(draft, embed, x[:, 1 : t + 2], torch.arange(t + 1)[None], cache, aux=b.aux[:, : t + 1])
+        h = r.hidden[:, -1:]
+        torch.testing.assert_close(h[0, 0], outs[0][0, t])
+        for j in (1, 2):  # drafted token j reads x_{t+1+j} at position t+j
+            r = draft_step(draft, embed, x[:, t + 1 + j : t + 2 + j], torch.tensor([[t + j]]), cache, hidden=h)
+            h = r.hidden
+            torch.testing.assert_close(h[0, 0], outs[j][0, t])
