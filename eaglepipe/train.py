@@ -5,7 +5,7 @@ Numbered steps (as in :func:`train_drafter`):
  1. read the features (token hashes re-checked by FeatureSet), the target's config / head / embeddings;
  2. split samples into train / eval by a hash of (seed, sample id) — stable when samples are added;
  3. draft vocabulary from the train split's predicted tokens (vocab.py);
- 4. build the draft (seeded); lm_head and norm start as the target's (lm_head rows of the draft vocabulary);
+ 4. build the draft (seeded), lm_head initialised from the target's lm_head rows of the draft vocabulary;
  5. resume from ``<scratch>/<run key>/last.pt`` when a killed run with the same key left one;
  6. per epoch: shuffle (seed, epoch), pack into rows of ≤ batch_tokens, rank r takes micro-batches r::world,
     an optimizer step every grad_accum micro-batches; checkpoint every checkpoint_every steps;
@@ -261,9 +261,9 @@ def train_drafter(
     torch.manual_seed(p.seed)
     draft = Eagle3Draft(cfg)
     draft.set_vocab(vocab.d2t, vocab.t2d)
-    with torch.no_grad():  # start from the target's own output head: its lm_head rows and its final norm
+    with torch.no_grad():  # start from the target's lm_head rows (as speculators does). Also copying the target's
+        # final norm weight was tried on SmolLM2 features: less stable (eval loss rose at lr 3e-3), so norm starts at 1
         draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
-        draft.norm.weight.copy_(head.norm_weight)  # (H,)
     draft.to(device)
     head = head.to(device)
     inv = top1_in_vocab(head, samples, draft.t2d)  # sample id → (T,) bool, on the CPU like the samples
@@ -310,9 +310,12 @@ def train_drafter(
 
     live = None
     if live_dir is not None and d.main:
-        from dvclive import Live
-
-        live = Live(str(live_dir), resume=st.step > 0, save_dvc_exp=False, dvcyaml=None, report=None)
+        try:
+            from dvclive import Live
+        except ImportError:  # e.g. the GPU image: curves are lost, metrics JSON still written
+            log.warning("dvclive is not installed: no training curves in %s", live_dir)
+        else:
+            live = Live(str(live_dir), resume=st.step > 0, save_dvc_exp=False, dvcyaml=None, report=None)
     log.info("draft: %d trainable parameters, %d optimizer steps, device %s, world %d",
              n_params(draft), total_steps, device, d.world)
 
