@@ -216,4 +216,5 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 def read_jsonl(path: Path) -> list[dict]:
     """Read a JSONL file written by :func:`write_jsonl`."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    with open(path, encoding="utf-8") as f:  # not str.splitlines(): texts may hold U+2028 and friends
+        return [json.loads(line) for line in f if line.strip()]

