@@ -66,3 +66,32 @@ def smollm2_dir() -> Path:
     if not (out / "config.json").exists():
         materialize_target("smollm2-135m-instruct", out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tok(smollm2_dir):
+    """SmolLM2's tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def sequences(tok) -> list[list[int]]:
+    """Two short chat-formatted conversations (user + assistant turn), as SmolLM2 token ids."""
+    convs = [
+        [{"role": "user", "content": "What is the capital of France?"},
+         {"role": "assistant", "content": "The capital of France is Paris."}],
+        [{"role": "user", "content": "Write a haiku about autumn leaves."},
+         {"role": "assistant", "content": "Red leaves drift and fall,\nwhispering to the cold ground,\nsummer says goodbye."}],
+    ]
+    return [list(tok.apply_chat_template(c, tokenize=True, return_dict=False)) for c in convs]
+
+
+@pytest.fixture(scope="session")
+def hf(smollm2_dir):
+    """The real SmolLM2 in transformers, fp32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

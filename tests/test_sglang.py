@@ -67,37 +67,11 @@ def _dump_figures() -> None:
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def sequences(tok) -> list[list[int]]:
-    """Two short chat-formatted conversations (user + assistant turn), as token ids."""
-    convs = [
-        [{"role": "user", "content": "What is the capital of France?"},
-         {"role": "assistant", "content": "The capital of France is Paris."}],
-        [{"role": "user", "content": "Write a haiku about autumn leaves."},
-         {"role": "assistant", "content": "Red leaves drift and fall,\nwhispering to the cold ground,\nsummer says goodbye."}],
-    ]
-    return [list(tok.apply_chat_template(c, tokenize=True, return_dict=False)) for c in convs]
-
-
-@pytest.fixture(scope="module")
 def prompts(tok) -> list[list[int]]:
     """Two generation prompts (chat template + assistant header)."""
     qs = ["Name three primary colors.", "What is 12 times 7?"]
     return [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)) for q in qs]
-
-
-@pytest.fixture(scope="module")
-def hf(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

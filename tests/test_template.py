@@ -1,15 +1,8 @@
 """Loss mask over predictions, on the real SmolLM2 chat template (exact tables)."""
 
-import pytest
 import torch
-from transformers import AutoTokenizer
 
 from eaglepipe.template import generation_prompt, tokenize_conversation
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 def test_hi_hello_there_mask(tok):

@@ -31,6 +31,7 @@ IDS = [0, 2, 15, 27]  # boundaries h[k], k < N, compared with HF output_hidden_s
 SHIFTED = [k + 1 for k in IDS]  # the planted translator bug: ids shifted by one
 DRAFT_IDS = [2, 15, 27]  # the random draft's aux layers (vLLM meaning)
 K = 3  # drafted tokens per step
+GATE_IDS = [14, 16, 26, 28]  # neighbours validate_offsets searches (search = 1) around [2, 15, 27]
 MAX_NEW = 24
 MIN_COS = 0.9999
 
@@ -46,38 +47,12 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def sequences(tok) -> list[list[int]]:
-    """Two short chat-formatted conversations (user + assistant turn), as token ids."""
-    convs = [
-        [{"role": "user", "content": "What is the capital of France?"},
-         {"role": "assistant", "content": "The capital of France is Paris."}],
-        [{"role": "user", "content": "Write a haiku about autumn leaves."},
-         {"role": "assistant", "content": "Red leaves drift and fall,\nwhispering to the cold ground,\nsummer says goodbye."}],
-    ]
-    return [list(tok.apply_chat_template(c, tokenize=True, return_dict=False)) for c in convs]
-
-
-@pytest.fixture(scope="module")
 def prompts(tok) -> list[list[int]]:
     """Four generation prompts (chat template + assistant header)."""
     qs = ["Name three primary colors.", "What is 12 times 7?", "Give me a tip for sleeping better.",
           "Explain what a noun is in one sentence."]
     return [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)) for q in qs]
-
-
-@pytest.fixture(scope="module")
-def hf(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +81,7 @@ def hf_states(hf, sequences) -> list[dict[int, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def engine(smollm2_dir, tmp_path_factory):
     e = VLLMEngine(smollm2_dir, work_dir=tmp_path_factory.mktemp("vllm"), max_model_len=512,
-                   capture_ids=IDS + SHIFTED + [N])
+                   capture_ids=sorted(set(IDS + SHIFTED + [N] + GATE_IDS)))
     yield e
     e.close()
     FIGURES["startup_s"] = e.startup_s
@@ -236,6 +211,29 @@ def test_shifted_ids_capture_the_next_boundary(engine, sequences, hf_states, cap
             assert _cos(g[:, j], ref[k]).mean() < 0.999, f"id {k + 1} still looks like h[{k}]"
             best, cos = _best_boundary(g[:, j], ref)
             assert best - k == 1, f"seq {s}: expected offset +1 for id {k}+1, best match h[{best}] (cos {cos:.5f})"
+
+
+def test_validate_offsets_against_real_vllm(engine, smollm2_dir, sequences, monkeypatch):
+    """The offset gate with real vLLM: the translator's ids pass; a planted +1 bug fails and names "+1"."""
+    from eaglepipe import convention
+    from eaglepipe.engines.hf import HFEngine
+    from eaglepipe.errors import CaptureMismatch
+    from eaglepipe.features import FeatureSample
+    from eaglepipe.validate import check_offsets, require_ok
+
+    seqs = sequences[:2]
+    caps = HFEngine(smollm2_dir).capture(seqs, [2, 15, 27, N])  # stored features, as extract --engine hf
+    stored = [FeatureSample(f"s{i}", torch.tensor(q), torch.ones(len(q), dtype=torch.bool), c[:, :3].bfloat16(),
+                            c[:, 3].bfloat16()) for i, (q, c) in enumerate(zip(seqs, caps))]
+    rep = check_offsets(engine, "llama", N, [2, 15, 27], stored, search=1, min_cosine=0.999)
+    assert rep.ok and [r.engine_id for r in rep.layers] == [2, 15, 27]
+    assert min(r.cosine for r in rep.layers) > 0.9999
+    real = convention.engine_ids
+    monkeypatch.setattr(convention, "engine_ids", lambda *a, **kw: [i + 1 for i in real(*a, **kw)])
+    rep = check_offsets(engine, "llama", N, [2, 15, 27], stored, search=1, min_cosine=0.999)
+    assert [r.best_offset for r in rep.layers] == [1, 1, 1]
+    with pytest.raises(CaptureMismatch, match=r"given id 16 the engine feeds h\[16\].*off by \+1"):
+        require_ok(rep)
 
 
 def test_capture_for_draft_uses_the_draft_config(engine, sequences, hf_states, random_draft):
