@@ -40,7 +40,7 @@ class PromptsParams(_Strict):
 class ExtractParams(_Strict):
     engine: Engine = "hf"
     regenerate: bool = True
-    max_new_tokens: int = Field(96, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
     batch_size: int = Field(16, ge=1)
@@ -60,8 +60,8 @@ class TrainParams(_Strict):
     ttt_steps: int = Field(3, ge=1, le=16)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)
     epochs: int = Field(6, ge=1)
-    lr: float = Field(1e-3, gt=0.0)
-    warmup_steps: int = Field(20, ge=0)
+    lr: float = Field(3e-3, gt=0.0)
+    warmup_steps: int = Field(10, ge=0)
     batch_tokens: int = Field(2048, ge=16)
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(0.5, gt=0.0)

@@ -86,9 +86,12 @@ class HFEngine(Engine):
         bad = [k for k in ids if not 0 <= k <= self.n_layers]
         if bad:
             raise ValueError(f"hf capture: ids {bad} outside [0, {self.n_layers}]")
-        out: list[torch.Tensor] = []
-        for b in range(0, len(sequences), self.batch_size):
-            out += self._capture_batch(sequences[b : b + self.batch_size], ids)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a batch
+        out: list[torch.Tensor | None] = [None] * len(sequences)
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b : b + self.batch_size]
+            for i, t in zip(idx, self._capture_batch([sequences[i] for i in idx], ids)):
+                out[i] = t
         return out
 
     def _capture_batch(self, seqs: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
@@ -108,9 +111,11 @@ class HFEngine(Engine):
         """Batched ``model.generate`` with left padding; greedy when temperature is 0, else seeded sampling."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
         torch.manual_seed(seed)
-        out: list[list[int]] = []
-        for b in range(0, len(prompts), self.batch_size):
-            batch = prompts[b : b + self.batch_size]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
+        out: list[list[int] | None] = [None] * len(prompts)
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b : b + self.batch_size]
+            batch = [prompts[i] for i in idx]
             T = max(len(p) for p in batch)
             input_ids = torch.full((len(batch), T), pad, dtype=torch.long)  # shape: (B, T), left-padded
             mask = torch.zeros(len(batch), T, dtype=torch.long)
@@ -123,7 +128,7 @@ class HFEngine(Engine):
                 input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                 max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(self.eos_ids), **kw,
             )[:, T:].cpu()
-            for row in gen.tolist():
+            for i, row in zip(idx, gen.tolist()):
                 cut = next((j + 1 for j, t in enumerate(row) if t in self.eos_ids), len(row))
-                out.append(row[:cut])
+                out[i] = row[:cut]
         return out
