@@ -1,7 +1,9 @@
 """Export a trained draft as a folder each engine loads as is (``LlamaForCausalLMEagle3``).
 
 Per engine: ``config.json`` (llama fields of the draft, ``draft_vocab_size``, ``target_hidden_size``, the aux
-ids in that engine's meaning and place through :func:`eaglepipe.convention.write_draft_ids`, and an
+ids in that engine's meaning and place through :func:`eaglepipe.convention.write_draft_ids` — and the other
+serving engine's ids too, in its own meaning and place, so either engine loading either folder feeds the
+trained layers — and an
 ``eaglepipe`` block stating the boundaries trained on) and ``model.safetensors`` with exactly ``fc.weight``,
 ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool). The target's
 embeddings are not exported: both engines share the target's.
@@ -24,12 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from . import convention
 from .draft import DraftConfig
-from .errors import ExportError
+from .errors import ConventionError, ExportError
 from .features import atomic_write_json
 
 log = logging.getLogger(__name__)
 
 ARCH = "LlamaForCausalLMEagle3"
+SERVING_ENGINES = ("vllm", "sglang")
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
@@ -140,13 +143,24 @@ def export_draft(
     convention.check_fc_width(cfg.n_aux * cfg.target_hidden_size, len(layers), cfg.target_hidden_size)
     tensors = load_file(str(drafter_dir / "model.safetensors"))
     check_tensors(tensors, cfg)
-    version = version or convention.installed_version(engine) or convention.KNOWN_VERSIONS.get(engine)
-    config = convention.write_draft_ids(draft_config_json(cfg, target_cfg, dtype), engine, family, layers,
-                                        n_layers, version)
-    back = convention.read_draft_boundaries(config, engine, family, n_layers, version)
-    if back != list(layers):
-        raise ExportError(f"{engine} {version} would feed h{back} for this config, but the draft was trained on "
-                          f"h{list(layers)}; refusing to export")
+    config = draft_config_json(cfg, target_cfg, dtype)
+    # The folder's own engine first (its ids must translate), then the other serving engine's ids too, each in
+    # its meaning and place: a folder loaded by the "wrong" engine then still feeds the trained layers instead
+    # of a silent default (or, for vLLM's V1 runner, SGLang's nested ids read without SGLang's +1).
+    for eng in [engine] + [e for e in SERVING_ENGINES if e != engine]:
+        ver = (version if eng == engine else None) or convention.installed_version(eng) \
+            or convention.KNOWN_VERSIONS.get(eng)
+        try:
+            config = convention.write_draft_ids(config, eng, family, layers, n_layers, ver)
+        except ConventionError as e:
+            if eng == engine:
+                raise
+            log.warning("%s cannot serve this draft (%s); its ids are not written", eng, e)
+            continue
+        back = convention.read_draft_boundaries(config, eng, family, n_layers, ver)
+        if back != list(layers):
+            raise ExportError(f"{eng} {ver} would feed h{back} for this config, but the draft was trained on "
+                              f"h{list(layers)}; refusing to export")
     cast = {n: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t) for n, t in tensors.items()}
     tmp = Path(str(out_dir) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -155,6 +169,6 @@ def export_draft(
     atomic_write_json(tmp / "config.json", config)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
-    log.info("exported %s draft for %s %s: ids %s", family, engine, version,
-             config["eaglepipe"]["engines"][engine]["ids"])
+    log.info("exported %s draft for %s: ids %s", family, engine,
+             {e: v["ids"] for e, v in config["eaglepipe"]["engines"].items()})
     return config
