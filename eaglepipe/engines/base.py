@@ -61,3 +61,25 @@ class Engine(ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def serve_summary(k: int, n_prompts: int, max_new_tokens: int, draft: dict, plain: dict, version: str) -> dict:
+    """The engine-independent part of a served-evaluation result.
+
+    ``draft`` / ``plain``: the timed runs with and without the draft, each a dict with ``tokens_per_s``,
+    ``startup_s`` and ``outputs`` (token ids per prompt). Engines add their own τ and acceptance fields.
+    """
+    return {
+        "k": k,
+        "prompts": n_prompts,
+        "max_new_tokens": max_new_tokens,
+        "tokens_per_s_draft": draft["tokens_per_s"],
+        "tokens_per_s_plain": plain["tokens_per_s"],
+        "speedup": draft["tokens_per_s"] / plain["tokens_per_s"],
+        "startup_s_draft": draft["startup_s"],
+        "startup_s_plain": plain["startup_s"],
+        "outputs_draft": draft["outputs"],
+        "outputs_plain": plain["outputs"],
+        "outputs_equal": draft["outputs"] == plain["outputs"],
+        "engine_version": version,
+    }

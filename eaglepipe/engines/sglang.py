@@ -54,7 +54,7 @@ import torch
 
 from .. import convention
 from ..errors import CaptureMismatch, ConventionError, EaglepipeError
-from .base import Engine
+from .base import Engine, serve_summary
 
 log = logging.getLogger(__name__)
 
@@ -447,21 +447,10 @@ def serve_eagle3(
     correct = sum(m.get("spec_num_correct_drafts", 0) for m in d["meta"])
     proposed = sum(m.get("spec_num_proposed_drafts", 0) for m in d["meta"])
     return {
-        "k": k,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
+        **serve_summary(k, len(prompts), max_new_tokens, d, p, engine.version),
         "tau": completion / max(verify, 1),
         "accept_rate": correct / max(proposed, 1),
         "verify_steps": verify,
-        "tokens_per_s_draft": d["tokens_per_s"],
-        "tokens_per_s_plain": p["tokens_per_s"],
-        "speedup": d["tokens_per_s"] / p["tokens_per_s"],
-        "startup_s_draft": d["startup_s"],
-        "startup_s_plain": p["startup_s"],
-        "outputs_draft": d["outputs"],
-        "outputs_plain": p["outputs"],
-        "outputs_equal": d["outputs"] == p["outputs"],
-        "engine_version": engine.version,
     }
 
 

@@ -37,7 +37,7 @@ import torch
 
 from .. import convention
 from ..errors import CaptureMismatch
-from .base import Engine
+from .base import Engine, serve_summary
 
 log = logging.getLogger(__name__)
 
@@ -382,21 +382,10 @@ def serve_eagle3(
     c = d["counters"]
     drafts = max(c["drafts"], 1)
     return {
-        "k": k,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
+        **serve_summary(k, len(prompts), max_new_tokens, d, p, engine.version),
         "tau": 1 + c["accepted"] / drafts,
         "acceptance_per_pos": [a / drafts for a in c["per_pos"][:k]],
         "drafts": c["drafts"],
         "draft_tokens": c["draft_tokens"],
         "accepted_tokens": c["accepted"],
-        "tokens_per_s_draft": d["tokens_per_s"],
-        "tokens_per_s_plain": p["tokens_per_s"],
-        "speedup": d["tokens_per_s"] / p["tokens_per_s"],
-        "startup_s_draft": d["startup_s"],
-        "startup_s_plain": p["startup_s"],
-        "outputs_draft": d["outputs"],
-        "outputs_plain": p["outputs"],
-        "outputs_equal": d["outputs"] == p["outputs"],
-        "engine_version": engine.version,
     }
