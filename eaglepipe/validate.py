@@ -69,6 +69,19 @@ class OffsetReport:
             r["cosines"] = {str(k): v for k, v in r["cosines"].items()}
         return d
 
+    @property
+    def verdict(self) -> str:
+        """"ok", "offset" (some layer is best matched at another id) or "numerics" (right id, low cosine)."""
+        if any(r.best_offset != 0 for r in self.layers):
+            return "offset"
+        return "ok" if self.ok else "numerics"
+
+    def compact(self) -> dict:
+        """The gate's figures for ``dvc exp show``: verdict, worst cosine at offset 0, best offset per layer."""
+        return {"engine": self.engine, "verdict": self.verdict,
+                "min_cosine_at_0": round(min(r.cosine for r in self.layers), 6),
+                "offset": {f"h{r.boundary}": r.best_offset for r in self.layers}}
+
     def message(self) -> str:
         """An actionable explanation of every problem (empty when ok)."""
         lines = []

@@ -13,9 +13,12 @@ import yaml
 
 
 def main():
+    from eaglepipe.sources import link_bundled
+
+    link_bundled(Path.cwd())  # bundled/ links, as scripts/setup.sh makes them
     stages = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]
     for name in sys.argv[1:] or list(stages):
-        cmd = " ".join(stages[name]["cmd"].split())
+        cmd = " ".join(stages[name]["cmd"].split())  # (no ${} in any cmd: deps only)
         print(f"=== {name}: {cmd}", flush=True)
         t0 = time.time()
         rc = subprocess.call(cmd, shell=True)

@@ -20,4 +20,6 @@ pip install -q -r requirements-sglang.txt
 # pip pulls CUDA builds of these next to the CPU torch; they break `import vllm`/`import sglang`.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps -e .
+# bundled/ → the model and data files inside the wheels: stable paths that params.yaml and DVC deps name.
+python -m eaglepipe.sources
 python -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"

@@ -1,8 +1,9 @@
 """Stage `extract`: the target's aux hidden states h[k] (k in `layers`) and h[N] for every training token.
 
-Usage: python stages/extract.py TARGET_DIR PROMPTS_DIR OUT_DIR METRICS_JSON
+Usage: python stages/extract.py TARGET_DIR TRAIN_JSONL OUT_DIR METRICS_JSON
 Reads params `layers`, `extract`; writes OUT_DIR (shards + manifest.json, see eaglepipe/features.py) and
-METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch under data/.scratch/).
+METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch under data/.scratch/, keyed by params, target, prompts and
+the eaglepipe code, so shards written by other code are never resumed).
 """
 
 import hashlib
@@ -19,10 +20,9 @@ from eaglepipe.target import read_info
 
 def main():
     p = start("extract")
-    target_dir, prompts_dir, out_dir, metrics = map(Path, sys.argv[1:5])
+    target_dir, train_file, out_dir, metrics = map(Path, sys.argv[1:5])
     info = read_info(target_dir)
     check_layers_against_target(p.layers, info.n_layers)
-    train_file = prompts_dir / "train.jsonl"
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
     scratch = out_dir.parent / ".scratch" / out_dir.name
     manifest, stats = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir, scratch,

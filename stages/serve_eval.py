@@ -1,45 +1,66 @@
 """Stage `serve_eval`: acceptance length τ of the exported draft, by the reference decoder and a real engine.
 
-Usage: python stages/serve_eval.py TARGET_DIR DRAFTER_DIR EXPORT_DIR PROMPTS_DIR METRICS_JSON
-Reads params `layers`, `framework`, `serve`. Writes METRICS_JSON: per engine τ, acceptance per draft position,
-tokens/s with and without the draft, and what produced them (engine, version, k, prompts, params).
+Usage: python stages/serve_eval.py TARGET_DIR DRAFTER_DIR EXPORT_DIR EVAL_JSONL METRICS_JSON REPORT_JSON ACC_CSV
+Reads params `layers`, `framework`, `serve`. Writes REPORT_JSON (per engine τ, acceptance per draft position,
+tokens/s with and without the draft, what produced them) and METRICS_JSON (the few figures `dvc exp show`
+compares) and ACC_CSV (acceptance per draft position and engine, a `dvc plots` bar chart). Exits 1, after writing both, when an engine's τ is below `serve.min_tau` (nothing accepted).
 """
 
+import json
 import sys
 from pathlib import Path
 
+import pandas as pd
 from transformers import AutoTokenizer
 
 from eaglepipe.engines import engine_version
-from eaglepipe.evaluate import eval_prompts, reference_eval
+from eaglepipe.errors import EaglepipeError
+from eaglepipe.evaluate import (ZERO_ACCEPTANCE_CAUSES, acceptance_gate, compact_serve_metrics, eval_prompts,
+                                reference_eval)
 from eaglepipe.prompts import read_jsonl
 from eaglepipe.stage import run, start, write_metrics
 
 
+def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s) -> dict | None:
+    """The real engine's served result (None for `hf`, a recorded skip where SGLang's CUDA kernels are absent)."""
+    if framework == "vllm":
+        from eaglepipe.engines.vllm import serve_eagle3
+        return serve_eagle3(target_dir, export_dir / "vllm", ids, s.k, s.max_new_tokens)
+    if framework == "sglang":
+        from eaglepipe.engines.sglang import SGLangError, serve_eagle3
+        try:
+            return serve_eagle3(target_dir, export_dir / "sglang", ids, s.k, s.max_new_tokens)
+        except SGLangError as e:  # EAGLE-3 serving needs SGLang's CUDA kernels: recorded, not faked
+            return {"skipped": str(e)}
+    return None
+
+
 def main():
     p = start("serve_eval")
-    target_dir, drafter_dir, export_dir, prompts_dir, metrics = map(Path, sys.argv[1:6])
+    target_dir, drafter_dir, export_dir, eval_file, metrics, report_json, acc_csv = map(Path, sys.argv[1:8])
     s = p.serve
-    prompts = eval_prompts(AutoTokenizer.from_pretrained(target_dir), read_jsonl(prompts_dir / "eval.jsonl"), s.prompts)
+    prompts = eval_prompts(AutoTokenizer.from_pretrained(target_dir), read_jsonl(eval_file), s.prompts)
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],
            "params": {"layers": p.layers, "framework": p.framework, "serve": s.model_dump()}}
     out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens)
-    ids = [q["input_ids"] for q in prompts]
-    if p.framework == "vllm":
-        from eaglepipe.engines.vllm import serve_eagle3
-        res = serve_eagle3(target_dir, export_dir / "vllm", ids, s.k, s.max_new_tokens)
-    elif p.framework == "sglang":
-        from eaglepipe.engines.sglang import SGLangError, serve_eagle3
-        try:
-            res = serve_eagle3(target_dir, export_dir / "sglang", ids, s.k, s.max_new_tokens)
-        except SGLangError as e:  # EAGLE-3 serving needs SGLang's CUDA kernels: recorded, not faked
-            res = {"skipped": str(e)}
-    else:
-        res = None
+    res = serve_engine(p.framework, target_dir, export_dir, [q["input_ids"] for q in prompts], s)
     if res is not None:
         res = {k: v for k, v in res.items() if not k.startswith("outputs_") or k == "outputs_equal"}
         out[p.framework] = {"engine": p.framework, "engine_version": engine_version(p.framework), **res}
-    write_metrics(metrics, out)
+    tau_sim = json.loads((drafter_dir / "config.json").read_text()).get("best_tau_sim")
+    engines = {name: out[name] for name in ("reference", p.framework) if name in out}
+    failures, flags = acceptance_gate(engines, tau_sim, s.min_tau, s.max_sim_gap)
+    out["gate"] = {"verdict": "fail" if failures else ("flagged" if flags else "ok"), "tau_sim": tau_sim,
+                   "failures": failures, "flags": flags}
+    write_metrics(report_json, out)
+    write_metrics(metrics, compact_serve_metrics(out))
+    rows = [{"position": f"{name} pos{i + 1}", "engine": name, "acceptance": round(a, 4)}
+            for name, res in engines.items() if "acceptance_per_pos" in res
+            for i, a in enumerate(res["acceptance_per_pos"])]
+    pd.DataFrame(rows, columns=["position", "engine", "acceptance"]).to_csv(acc_csv, index=False)
+    if failures:
+        raise EaglepipeError("served acceptance is (near) zero:\n  " + "\n  ".join(failures)
+                             + "\nlikely causes:\n  - " + "\n  - ".join(ZERO_ACCEPTANCE_CAUSES))
 
 
 if __name__ == "__main__":

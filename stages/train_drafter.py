@@ -1,8 +1,9 @@
 """Stage `train_drafter`: train the EAGLE-3 draft on the stored features, keep the epoch with the best τ_sim.
 
-Usage: python stages/train_drafter.py FEATURES_DIR TARGET_DIR OUT_DIR METRICS_JSON LIVE_DIR
+Usage: python stages/train_drafter.py FEATURES_DIR TARGET_DIR OUT_DIR METRICS_JSON REPORT_JSON LIVE_DIR
 Reads params `layers`, `train`; writes OUT_DIR (config.json + model.safetensors with fc / midlayer / norm /
-lm_head / d2t / t2d, see eaglepipe/draft.py), METRICS_JSON and the dvclive curves in LIVE_DIR. Several
+lm_head / d2t / t2d, see eaglepipe/draft.py), REPORT_JSON (the whole summary), METRICS_JSON (best τ_sim,
+its epoch and acceptance per TTT step, tokens/s) and the dvclive curves in LIVE_DIR. Several
 processes: `torchrun --nproc_per_node N stages/train_drafter.py ...`. Killed and restarted with the same params
 and features, it resumes from its last checkpoint (scratch under data/.scratch/).
 """
@@ -19,7 +20,7 @@ from eaglepipe.train import train_drafter
 
 def main():
     p = start("train_drafter")
-    features, target_dir, out_dir, metrics, live_dir = map(Path, sys.argv[1:6])
+    features, target_dir, out_dir, metrics, report, live_dir = map(Path, sys.argv[1:7])
     stored = FeatureSet(features).layers
     if stored != p.layers:
         raise EaglepipeError(f"features {features} hold layers {stored} but params.yaml says {p.layers}; re-run extract")
@@ -27,7 +28,10 @@ def main():
     summary = train_drafter(features, target_dir, out_dir, p.train, scratch_dir=scratch, live_dir=live_dir)
     summary.pop("losses")
     if int(os.environ.get("RANK", "0")) == 0:
-        write_metrics(metrics, {**summary, "params": {"layers": p.layers, "train": p.train.model_dump()}})
+        write_metrics(report, {**summary, "params": {"layers": p.layers, "train": p.train.model_dump()}})
+        best = summary["best"]
+        write_metrics(metrics, {"tau_sim": best["tau_sim"], "epoch": best["epoch"], "acc": best["acc"],
+                                "tokens_per_s": summary["tokens_per_s"]})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Stage `validate_offsets`: prove the serving engine feeds the draft exactly the stored features.
 
-Usage: python stages/validate_offsets.py TARGET_DIR FEATURES_DIR OK_JSON METRICS_JSON COSINE_CSV
+Usage: python stages/validate_offsets.py TARGET_DIR FEATURES_DIR OK_JSON METRICS_JSON REPORT_JSON COSINE_CSV
 Reads params `layers`, `framework`, `validate`. Captures `validate.samples` stored sequences through the
-`framework` engine with the ids the exporter writes (± `validate.search`), writes METRICS_JSON and the
-cosine table COSINE_CSV (a heatmap in `dvc plots show`), and exits 1 with an actionable message on mismatch.
+`framework` engine with the ids the exporter writes (± `validate.search`), writes REPORT_JSON (every cosine),
+METRICS_JSON (verdict, worst cosine, offset per layer) and the cosine table COSINE_CSV (a heatmap in
+`dvc plots show`), and exits 1 with an actionable message on mismatch.
 OK_JSON (the gate token training depends on) is written only when the check passes.
 """
 
@@ -23,7 +24,7 @@ from eaglepipe.validate import check_offsets, require_ok
 
 def main():
     p = start("validate_offsets")
-    target_dir, features_dir, ok_json, metrics, cosine_csv = map(Path, sys.argv[1:6])
+    target_dir, features_dir, ok_json, metrics, report_json, cosine_csv = map(Path, sys.argv[1:7])
     fs = FeatureSet(features_dir)
     if fs.layers != p.layers:
         raise CaptureMismatch(f"stored features are for layers {fs.layers}, params say {p.layers}: re-run extract")
@@ -31,7 +32,8 @@ def main():
     with get_engine(p.framework, target_dir, dtype="float32") as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, fs.take(p.validate_.samples),
                             p.validate_.search, p.validate_.min_cosine)
-    write_metrics(metrics, rep.to_json())
+    write_metrics(report_json, rep.to_json())
+    write_metrics(metrics, rep.compact())
     cosine_csv.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rep.table()).to_csv(cosine_csv, index=False)
     require_ok(rep)

