@@ -46,7 +46,7 @@ def project(tmp: Path, tiny_target: Path, n: int, **extract) -> Path:
 
 def run_extract(cwd: Path, tiny_target: Path, **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(REPO / "stages/extract.py"), str(tiny_target), "prompts", "features", "extract.json"],
+        [sys.executable, str(REPO / "stages/extract.py"), str(tiny_target), "prompts/train.jsonl", "features", "extract.json"],
         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
     )
 

@@ -159,11 +159,14 @@ def test_stage_script(features, tiny_target, tmp_path):
     params["train"].update(draft_vocab_size=64, epochs=1, batch_tokens=64, warmup_steps=1)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(features), str(tiny_target),
-                        "data/drafter", "metrics/train_drafter.json", "dvclive/train_drafter"],
+                        "data/drafter", "metrics/train_drafter.json", "reports/train.json", "dvclive/train_drafter"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    m = json.loads((tmp_path / "metrics" / "train_drafter.json").read_text())
+    m = json.loads((tmp_path / "reports" / "train.json").read_text())
     assert m["best"]["tau_sim"] >= 1.0 and m["params"]["layers"] == LAYERS and m["train_tokens"] > 0
+    compact = json.loads((tmp_path / "metrics" / "train_drafter.json").read_text())
+    assert compact == {"tau_sim": m["best"]["tau_sim"], "epoch": m["best"]["epoch"], "acc": m["best"]["acc"],
+                       "tokens_per_s": m["tokens_per_s"]}
     assert (tmp_path / "data" / "drafter" / "model.safetensors").exists()
     assert (tmp_path / "dvclive" / "train_drafter" / "metrics.json").exists()
     assert not (tmp_path / "dvc.yaml").exists()  # dvclive must not write the pipeline's dvc.yaml
