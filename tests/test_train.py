@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from eaglepipe.features import FeatureSample, ShardWriter
 from eaglepipe.params import TrainParams
-from eaglepipe.train import lr_factor, pack, split_samples, train_drafter
+from eaglepipe.train import lr_factor, pack, pack_by_length, padding_fraction, split_samples, train_drafter
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +76,13 @@ def _params(**kw) -> TrainParams:
 
 
 def test_pack_split_and_schedule():
-    assert pack([30, 30, 10, 50, 70], [0, 1, 2, 3, 4], 64) == [[0, 1], [2, 3], [4]]  # 70 is cut to 64
+    assert pack([30, 30, 10, 50, 60], [0, 1, 2, 3, 4], 64) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="70 tokens"):
+        pack([30, 70], [0, 1], 64)  # a sample is never cut
+    # length-grouped: first-fit decreasing inside windows of `group` samples of the shuffled order
+    assert pack_by_length([30, 30, 10, 50, 60], [0, 1, 2, 3, 4], 64) == [[4], [3, 2], [0, 1]]
+    assert pack_by_length([30, 30, 10, 50, 60], [0, 1, 2, 3, 4], 64, group=2) == [[0, 1], [3, 2], [4]]
+    assert padding_fraction([30, 30, 10, 50, 60], [[4], [3, 2], [0, 1]], 64) == 1 - 180 / 192
     s = [FeatureSample(f"s{i}", *([None] * 4)) for i in range(10)]
     tr, ev = split_samples(s, 0.2, seed=0)
     assert len(ev) == 2 and len(tr) == 8 and [x.id for x in split_samples(s[::-1], 0.2, 0)[1]] == [x.id for x in ev][::-1]
