@@ -477,7 +477,7 @@ def resume(run: Run) -> State:
         run.opt.load_state_dict(ck["optimizer"])
         run.sched.load_state_dict(ck["scheduler"])
         set_rng_state(ck["rng"])
-        st = ck["state"]
+        st = State(**{**vars(State()), **vars(ck["state"])})  # a checkpoint from before a State field was added
         log.info("resumed %s at epoch %d, micro-batch %d, step %d", run.ckpt, st.epoch, st.micro, st.step)
     if run.d.main:
         run.ckpt.parent.mkdir(parents=True, exist_ok=True)
