@@ -19,3 +19,11 @@ class CaptureMismatch(EaglepipeError):
 
 class ExportError(EaglepipeError):
     """A draft cannot be exported as is (missing/unexpected/misshapen tensor, ids that do not round-trip)."""
+
+
+class FeatureStoreError(EaglepipeError):
+    """A feature shard is missing, truncated or damaged, or a sample cannot be trained as stored (names the file)."""
+
+
+class TrainingError(EaglepipeError):
+    """Training cannot go on as asked (non-finite input or loss, a sample longer than a batch): names the sample."""

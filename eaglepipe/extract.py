@@ -6,7 +6,8 @@ Steps, per shard of ``shard_size`` conversations (the unit of resume):
   2. tokenize with the target's chat template; loss mask over predictions (:mod:`eaglepipe.template`);
   3. capture the boundaries ``layers + [N]`` through the engine, with the ids translated into that engine's
      meaning by :func:`eaglepipe.convention.engine_ids`;
-  4. write the shard atomically (:class:`eaglepipe.features.ShardWriter`).
+  4. quarantine every sample whose features hold NaN/inf (left out, recorded with the shard), then write the
+     shard atomically and byte-reproducibly (:class:`eaglepipe.features.ShardWriter`).
 The engine starts only if some shard is missing, so a finished run restarted does no work.
 """
 
@@ -22,9 +23,9 @@ from tqdm import tqdm
 
 from . import convention
 from .engines import engine_version, get_engine
-from .features import FeatureSample, ShardWriter, run_key
-from .sources import code_hash
+from .features import FeatureSample, ShardWriter, non_finite, run_key
 from .params import ExtractParams
+from .sources import code_hash
 from .target import TargetInfo
 from .template import generation_prompt, tokenize_conversation
 
@@ -47,6 +48,7 @@ class ExtractStats:
     tokens_per_s: float  # captured tokens per second of capture (the engine forward + hooks)
     bytes_per_token: float
     resumed_shards: int
+    quarantined: int  # samples left out because their features held NaN/inf (listed in the manifest)
 
 
 def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
@@ -72,6 +74,24 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
         for c in todo:
             c["regenerated"] = True
     return convs
+
+
+def quarantine(samples: list[FeatureSample]) -> tuple[list[FeatureSample], list[dict]]:
+    """(samples whose aux and last are all finite, rows ``{"id", "tensor", "non_finite"}`` of the others).
+
+    Checked after the cast to the store dtype: a value finite in float32 but past the range of float16
+    would overflow there and is quarantined too.
+    """
+    kept, bad = [], []
+    for s in samples:
+        q = non_finite(s)
+        if q is None:
+            kept.append(s)
+        else:
+            log.warning("sample %r: %d non-finite values in %s; quarantined (left out of the features)",
+                        s.id, q["non_finite"], q["tensor"])
+            bad.append(q)
+    return kept, bad
 
 
 def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str) -> str:
@@ -126,7 +146,7 @@ def extract(
             FeatureSample(c["id"], t.input_ids, t.loss_mask, h[:, :-1].to(store), h[:, -1].to(store))
             for c, t, h in zip(chunk, toks, caps)
         ]
-        writer.write(i, samples)
+        writer.write(i, *quarantine(samples))
         tokens += sum(len(t.input_ids) for t in toks)
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{tokens / max(t_cap, 1e-9):.0f}")
@@ -146,6 +166,6 @@ def extract(
         samples=tot["samples"], tokens=tot["tokens"], loss_tokens=tot["loss_tokens"],
         seconds=time.perf_counter() - t0, capture_seconds=t_cap, generate_seconds=t_gen,
         tokens_per_s=tokens / t_cap if t_cap else 0.0, bytes_per_token=nbytes / max(tot["tokens"], 1),
-        resumed_shards=resumed,
+        resumed_shards=resumed, quarantined=tot["quarantined"],
     )
     return manifest, stats

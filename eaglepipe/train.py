@@ -1,16 +1,28 @@
 """The training loop of the draft: data split and packing, AdamW + warmup/cosine, TTT loss, DDP, checkpoints
 with resume, per-epoch evaluation by τ_sim, dvclive curves, and the best draft written out.
 
-Numbered steps (as in :func:`train_drafter`):
- 1. read the features (token hashes re-checked by FeatureSet), the target's config / head / embeddings;
+Numbered steps (:func:`train_drafter` calls one named function per part):
+ 1. :func:`setup`: index the features from the manifest (nothing read yet); refuse a sample longer than
+    ``batch_tokens`` (:func:`check_lengths`); the target's config / head / embeddings;
  2. split samples into train / eval by a hash of (seed, sample id) — stable when samples are added;
- 3. draft vocabulary from the train split's predicted tokens (vocab.py);
+ 3. draft vocabulary from the train split's predicted tokens (vocab.py; only token ids are read);
  4. build the draft (seeded), lm_head initialised from the target's lm_head rows of the draft vocabulary;
- 5. resume from ``<scratch>/<run key>/last.pt`` when a killed run with the same key left one;
- 6. per epoch: shuffle (seed, epoch), pack into rows of ≤ batch_tokens, rank r takes micro-batches r::world,
-    an optimizer step every grad_accum micro-batches; checkpoint every checkpoint_every steps;
- 7. after each epoch: evaluate the held-out samples, keep the weights with the best τ_sim (not the best loss);
- 8. write the best draft (draft.save_draft) and return the summary for the metrics json.
+ 5. :func:`resume` from ``<scratch>/<run key>/last.pt`` when a killed run with the same key left one;
+ 6. :func:`run_epoch`: shuffle (seed, epoch), pack by length into rows of ≤ batch_tokens
+    (:func:`pack_by_length`), rank r takes micro-batches r::world, an optimizer step every grad_accum
+    micro-batches (:func:`optimizer_step`); :func:`checkpoint` every checkpoint_every steps;
+ 7. :func:`end_epoch`: :func:`evaluate` the held-out samples, keep the weights with the best τ_sim (not the
+    best loss);
+ 8. write the best draft (draft.save_draft) and return :func:`summarize`'s dict for the metrics json.
+
+Data: features stream from the store (:class:`BatchStream`: a worker thread reads memory-mapped shard slices
+and collates ``PREFETCH`` batches ahead), so host memory is bounded by a few batches, not the dataset. What
+stays in memory for the whole run is the index (one :class:`SampleRef` per sample) and 1 byte per token
+(whether the target's top-1 is in the draft vocabulary).
+
+Bad data never becomes a draft: a sample with non-finite features stops training naming it and its shard;
+a non-finite loss or gradient norm stops before the optimizer step, naming the step's samples, with the
+checkpoint of the last good step left in place (:class:`TrainingError`).
 
 Precision: on CUDA the forward runs under bf16 autocast with fp32 master weights (the engines serve in bf16);
 on CPU it runs in fp32 — CPU bf16 autocast is slower than fp32 on most CPUs without AMX and would make the
@@ -27,8 +39,10 @@ import hashlib
 import logging
 import math
 import os
+import queue
 import random
 import shutil
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -39,68 +53,189 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .draft import DraftConfig, Eagle3Draft, n_params, save_draft
-from .errors import EaglepipeError
-from .features import FeatureSample, FeatureSet, run_key
+from .errors import EaglepipeError, TrainingError
+from .features import FeatureSample, FeatureSet, SampleRef, non_finite, run_key
 from .params import TrainParams
 from .target_head import load_target_config, load_target_head, soft_targets
-from .ttt import Batch, TTTUnroll, tau_sim
+from .ttt import Batch, TTTResult, TTTUnroll, tau_sim
 from .vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 
 log = logging.getLogger(__name__)
 
 CKPT = "last.pt"
+PACK_GROUP = 64  # samples sorted by length together when packing (the shuffle is kept across windows)
+PREFETCH = 4  # batches read ahead by the feature worker thread
 
 
 # ---------------------------------------------------------------- data
 
 
-def split_samples(samples: list[FeatureSample], eval_fraction: float, seed: int):
-    """(train, eval): the ceil(eval_fraction·n) samples with the smallest sha256(seed:id) are held out."""
+def split_samples(samples: list, eval_fraction: float, seed: int):
+    """(train, eval): the ceil(eval_fraction·n) samples with the smallest sha256(seed:id) are held out.
+
+    ``samples``: anything with an ``id`` (SampleRef, FeatureSample); order is kept within each part.
+    """
     n_eval = min(len(samples) - 1, max(1, math.ceil(eval_fraction * len(samples))))
     key = {s.id: hashlib.sha256(f"{seed}:{s.id}".encode()).hexdigest() for s in samples}
     held = set(sorted(key, key=key.get)[:n_eval])
     return [s for s in samples if s.id not in held], [s for s in samples if s.id in held]
 
 
+def check_lengths(refs: list[SampleRef], max_tokens: int) -> None:
+    """Refuse a sample longer than a packed row: its tail would be cut and its loss tokens trained as nothing.
+
+    Raises TrainingError naming the longest sample, its shard, its length and train.batch_tokens.
+    """
+    long = [r for r in refs if r.n_tokens > max_tokens]
+    if long:
+        worst = max(long, key=lambda r: r.n_tokens)
+        raise TrainingError(
+            f"sample {worst.id!r} in {worst.shard} has {worst.n_tokens} tokens but train.batch_tokens is {max_tokens} "
+            f"({len(long)} of {len(refs)} samples are longer): they cannot be trained whole; raise "
+            f"train.batch_tokens to ≥ {worst.n_tokens} or lower extract.max_length to ≤ {max_tokens}"
+        )
+
+
 def pack(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing in ``order``: consecutive samples share a row while the row stays ≤ max_tokens."""
+    """Greedy packing in ``order``: consecutive samples share a row while the row stays ≤ max_tokens.
+
+    Raises ValueError for a sample longer than max_tokens (:func:`check_lengths` names it first).
+    """
     rows, cur, n = [], [], 0
     for i in order:
-        L = min(lengths[i], max_tokens)
-        if cur and n + L > max_tokens:
+        if lengths[i] > max_tokens:
+            raise ValueError(f"sample {i}: {lengths[i]} tokens > max_tokens {max_tokens}")
+        if cur and n + lengths[i] > max_tokens:
             rows.append(cur)
             cur, n = [], 0
         cur.append(i)
-        n += L
+        n += lengths[i]
     if cur:
         rows.append(cur)
     return rows
 
 
-def collate(samples: list[FeatureSample], max_tokens: int, inv: dict[str, torch.Tensor] | None = None) -> Batch:
-    """Samples → one packed row (B = 1); each sample is cut to max_tokens. ``inv``: sample id → top-1-in-vocab."""
-    parts = [(s, min(len(s.input_ids), max_tokens)) for s in samples]
-    cat = lambda f: torch.cat([getattr(s, f)[:n] for s, n in parts])[None]  # noqa: E731  (1, T, ...)
+def pack_by_length(lengths: list[int], order: list[int], max_tokens: int, group: int = PACK_GROUP) -> list[list[int]]:
+    """Length-grouped packing: windows of ``group`` samples of ``order``, each sorted longest first and packed
+    first-fit (a sample goes to the first open row of its window it fits in). Rows come out in window order.
+
+    Sorting only inside windows keeps the epoch's shuffle; first-fit-decreasing leaves far less of each row
+    empty than :func:`pack` (see :func:`padding_fraction`). Raises ValueError like :func:`pack`.
+    """
+    rows: list[list[int]] = []
+    for w in range(0, len(order), group):
+        window = sorted(order[w : w + group], key=lambda i: (-lengths[i], i))
+        open_rows: list[tuple[list[int], int]] = []  # (row, tokens)
+        for i in window:
+            if lengths[i] > max_tokens:
+                raise ValueError(f"sample {i}: {lengths[i]} tokens > max_tokens {max_tokens}")
+            for k, (row, n) in enumerate(open_rows):
+                if n + lengths[i] <= max_tokens:
+                    row.append(i)
+                    open_rows[k] = (row, n + lengths[i])
+                    break
+            else:
+                open_rows.append(([i], lengths[i]))
+        rows += [row for row, _ in open_rows]
+    return rows
+
+
+def padding_fraction(lengths: list[int], rows: list[list[int]], max_tokens: int) -> float:
+    """Share of the rows' capacity (rows × max_tokens) holding no token: what a fixed-shape batch pads."""
+    used = sum(lengths[i] for row in rows for i in row)
+    return 1.0 - used / max(1, len(rows) * max_tokens)
+
+
+def epoch_rows(lengths: list[int], seed: int, epoch: int, max_tokens: int) -> list[list[int]]:
+    """The rows of one epoch: a (seed, epoch) shuffle, then :func:`pack_by_length`."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return pack_by_length(lengths, torch.randperm(len(lengths), generator=g).tolist(), max_tokens)
+
+
+def collate(samples: list[FeatureSample], inv: dict[str, torch.Tensor] | None = None) -> Batch:
+    """Samples → one packed row (B = 1), T = Σ lengths. ``inv``: sample id → (T_s,) bool top-1-in-vocab."""
+    cat = lambda f: torch.cat([getattr(s, f) for s in samples])[None]  # noqa: E731  (1, T, ...)
     return Batch(
-        top_in_vocab=None if inv is None else torch.cat([inv[s.id][:n] for s, n in parts])[None],  # (1, T)
+        top_in_vocab=None if inv is None else torch.cat([inv[s.id] for s in samples])[None],  # (1, T)
         input_ids=cat("input_ids").long(),  # (1, T)
-        positions=torch.cat([torch.arange(n) for _, n in parts])[None],  # (1, T)
-        doc=torch.cat([torch.full((n,), d) for d, (_, n) in enumerate(parts)])[None],  # (1, T)
+        positions=torch.cat([torch.arange(len(s.input_ids)) for s in samples])[None],  # (1, T)
+        doc=torch.cat([torch.full((len(s.input_ids),), d) for d, s in enumerate(samples)])[None],  # (1, T)
         loss_mask=cat("loss_mask").bool(),  # (1, T)
         aux=cat("aux"),  # (1, T, L, Ht)
         last=cat("last"),  # (1, T, H)
     )
 
 
-def top1_in_vocab(head, samples: list[FeatureSample], t2d: torch.Tensor) -> dict[str, torch.Tensor]:
-    """sample id → (T,) bool: the target's full-vocabulary top-1 is in the draft vocabulary (one pass, reused)."""
+class BatchStream:
+    """Packed rows read lazily from the feature store by a worker thread, ``prefetch`` batches ahead.
+
+    Iterating yields ``(refs, Batch)`` per row, in order; the worker opens its own :class:`FeatureSet`
+    (memory-mapped shards, at most 2 open), checks every sample's features are finite and collates on the
+    CPU (pinned when ``pin``), so host memory holds ~``prefetch`` + 1 batches whatever the dataset size.
+    A worker error (TrainingError for a non-finite sample naming it and its shard, FeatureStoreError for a
+    damaged shard) is raised in the consuming thread. Leaving the loop early stops the worker.
+    """
+
+    def __init__(self, features_dir: Path, rows: list[list[SampleRef]], inv: dict | None = None,
+                 prefetch: int = PREFETCH, pin: bool = False):
+        self.features_dir, self.rows, self.inv, self.pin = Path(features_dir), rows, inv, pin
+        self.q: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.stop = threading.Event()
+
+    def _work(self) -> None:
+        try:
+            fs = FeatureSet(self.features_dir)
+            for row in self.rows:
+                samples = []
+                for ref in row:
+                    s = fs.read(ref)
+                    bad = non_finite(s)
+                    if bad:
+                        raise TrainingError(
+                            f"sample {ref.id!r} in {self.features_dir / ref.shard}: {bad['non_finite']} non-finite "
+                            f"values in {bad['tensor']}; nothing was trained on it. Re-run extract (it quarantines "
+                            "such samples)")
+                    samples.append(s)
+                b = collate(samples, self.inv)
+                if self.pin:
+                    b = Batch(**{k: None if v is None else v.pin_memory() for k, v in vars(b).items()})
+                if not self._put((row, b)):
+                    return
+            self._put(None)
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        worker = threading.Thread(target=self._work, daemon=True, name="eaglepipe-features")
+        worker.start()
+        try:
+            while (item := self.q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.stop.set()
+            worker.join()
+
+
+@torch.no_grad()
+def top1_in_vocab(head, features_dir: Path, refs: list[SampleRef], t2d: torch.Tensor) -> dict[str, torch.Tensor]:
+    """sample id → (T,) bool: the target's full-vocabulary top-1 is in the draft vocabulary (one streamed pass,
+    reused every epoch; 1 byte a token). Raises like :class:`BatchStream`."""
     dev = head.lm_head.device
-    return {s.id: soft_targets(head, s.last[None].to(dev), t2d).top_in_vocab[0].cpu() for s in samples}
-
-
-def epoch_rows(lengths: list[int], seed: int, epoch: int, max_tokens: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return pack(lengths, torch.randperm(len(lengths), generator=g).tolist(), max_tokens)
+    out = {}
+    for (ref,), b in BatchStream(features_dir, [[r] for r in refs]):
+        out[ref.id] = soft_targets(head, b.last.to(dev), t2d).top_in_vocab[0].cpu()
+    return out
 
 
 # ---------------------------------------------------------------- schedule, distributed, checkpoints
@@ -166,6 +301,47 @@ def atomic_save(obj, path: Path) -> None:
 
 
 @dataclass
+class StepStats:
+    """Sums over the micro-batches of one optimizer step (S = ttt_steps); this rank's until :meth:`reduce`."""
+
+    step_loss: torch.Tensor  # (S,) float, Σ_micro loss_j / grad_accum
+    correct: torch.Tensor  # (S,) float, counted positions where draft argmax == target argmax
+    counted: torch.Tensor  # (S,) float, counted positions
+    loss: torch.Tensor  # () float, Σ_micro weighted loss / grad_accum
+    tokens: torch.Tensor  # () float, token positions processed
+
+    @classmethod
+    def zeros(cls, steps: int, device) -> "StepStats":
+        z = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+        return cls(z(steps), z(steps), z(steps), z(()), z(()))
+
+    def add(self, r: TTTResult, n_tokens: int, grad_accum: int) -> None:
+        self.step_loss += r.step_loss / grad_accum
+        self.correct += r.correct
+        self.counted += r.counted
+        self.loss += r.loss.detach() / grad_accum
+        self.tokens += n_tokens
+
+    def reduce(self, world: int) -> None:
+        """All-reduce over ranks in one call: sums for counts/tokens, means for the losses."""
+        if world == 1:
+            return
+        S = self.step_loss.numel()
+        flat = torch.cat([self.step_loss, self.correct, self.counted, self.loss[None], self.tokens[None]])
+        dist.all_reduce(flat)
+        self.step_loss, self.correct, self.counted = flat[:S] / world, flat[S : 2 * S], flat[2 * S : 3 * S]
+        self.loss, self.tokens = flat[3 * S] / world, flat[3 * S + 1]
+
+    def curves(self, lr: float) -> dict[str, float]:
+        """The dvclive row of this step: loss, lr, loss and accuracy per TTT step."""
+        row = {"train/loss": float(self.loss), "train/lr": lr}
+        acc = (self.correct / self.counted.clamp(min=1)).tolist()
+        for j, (lj, aj) in enumerate(zip(self.step_loss.tolist(), acc)):
+            row[f"train/loss_step{j}"], row[f"train/acc_step{j}"] = lj, aj
+        return row
+
+
+@dataclass
 class State:
     """Everything a resumed run needs besides model / optimizer / scheduler."""
 
@@ -180,20 +356,245 @@ class State:
     best_state: dict | None = None  # draft weights (cpu) of the best epoch
     evals: list = field(default_factory=list)  # one dict per epoch
     losses: list = field(default_factory=list)  # train loss per optimizer step (for tests and the json)
+    padding: list = field(default_factory=list)  # padding fraction of each epoch's rows
+    curves: list = field(default_factory=list)  # (step, {name: value}) every dvclive row so far, replayed on resume
+
+
+@dataclass
+class Run:
+    """What :func:`setup` builds once: data index, target head, draft, optimizer, schedule, checkpoint place."""
+
+    d: Dist
+    device: torch.device
+    p: TrainParams
+    features_dir: Path
+    fs: FeatureSet
+    train: list[SampleRef]
+    held: list[SampleRef]
+    lengths: list[int]  # tokens of each train sample
+    inv: dict[str, torch.Tensor]  # sample id → (T,) bool, the target's top-1 is in the draft vocabulary
+    head: object
+    cfg: DraftConfig
+    vstats: dict
+    draft: Eagle3Draft
+    unroll: TTTUnroll
+    model: torch.nn.Module  # unroll, DDP-wrapped when world > 1
+    opt: torch.optim.Optimizer
+    sched: object
+    total_steps: int
+    ckpt: Path  # <scratch>/<run key>/last.pt
+
+    def autocast(self):
+        """bf16 autocast on CUDA, none on CPU (module docstring: Precision)."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    def forward(self, b: Batch, module=None) -> TTTResult:
+        """Soft targets and the TTT unroll of one batch (``module``: default the DDP-wrapped model)."""
+        b = b.to(self.device)
+        soft = soft_targets(self.head, b.last, self.draft.t2d, b.top_in_vocab)
+        with self.autocast():
+            return (module or self.model)(b, soft)
+
+    def stream(self, rows: list[list[SampleRef]]) -> BatchStream:
+        return BatchStream(self.features_dir, rows, self.inv, pin=self.device.type == "cuda")
+
+
+def _index(features_dir: Path, p: TrainParams, cfg_width: int) -> tuple[FeatureSet, list, list]:
+    """Manifest index, split, and the checks that need no feature read. Raises EaglepipeError / TrainingError."""
+    fs = FeatureSet(features_dir)
+    if fs.refs and fs.aux_shape()[-1] != cfg_width:
+        raise EaglepipeError(
+            f"features {features_dir}: aux width {fs.aux_shape()[-1]} != target hidden_size {cfg_width}; "
+            "the features were captured from another target")
+    if len(fs) < 2:
+        raise EaglepipeError(f"features {features_dir}: {len(fs)} samples; need ≥ 2 (train + held-out)")
+    check_lengths(fs.refs, p.batch_tokens)
+    train, held = split_samples(fs.refs, p.eval_fraction, p.seed)
+    return fs, train, held
+
+
+def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.device, scratch_dir) -> Run:
+    """Steps 1–4: index the features, split, draft vocabulary, draft, optimizer and schedule.
+
+    Raises EaglepipeError (features of another target, < 2 samples, no full step per epoch), TrainingError
+    (a sample longer than train.batch_tokens, non-finite features), FeatureStoreError (damaged shard).
+    """
+    features_dir = Path(features_dir)
+    target_cfg = load_target_config(target_dir)
+    head = load_target_head(target_dir)
+    n_aux = len(FeatureSet(features_dir).layers)
+    cfg = DraftConfig.from_target(target_cfg, n_aux=n_aux, draft_vocab_size=p.draft_vocab_size)
+    if cfg.n_aux != 3:
+        log.warning("%d aux layers: SGLang and vLLM (LlamaForCausalLMEagle3) build fc for exactly 3·Ht inputs; "
+                    "this draft will train but not load in those engines", cfg.n_aux)
+    fs, train, held = _index(features_dir, p, cfg.target_hidden_size)
+    counts = count_predicted_tokens((FeatureSample(r.id, *fs.tokens(r), None, None) for r in train), cfg.vocab_size)
+    vocab = build_draft_vocab(counts, p.draft_vocab_size)
+    vstats = vocab_stats(counts, vocab)
+    log.info("samples: %d train / %d eval; draft vocab %d covers %.1f%% of predicted tokens",
+             len(train), len(held), vocab.size, 100 * vstats["coverage"])
+    torch.manual_seed(p.seed)
+    draft = Eagle3Draft(cfg)
+    draft.set_vocab(vocab.d2t, vocab.t2d)
+    with torch.no_grad():  # start from the target's lm_head rows (as speculators does). Also copying the target's
+        # final norm weight was tried on SmolLM2 features: less stable (eval loss rose at lr 3e-3), so norm starts at 1
+        draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
+    draft.to(device)
+    head = head.to(device)
+    inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d)
+    unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay).to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    model = DDP(unroll, device_ids=ids, broadcast_buffers=False) if d.world > 1 else unroll
+    opt = torch.optim.AdamW(draft.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=(0.9, 0.95))
+    lengths = [r.n_tokens for r in train]
+    per_epoch = [_steps_per_epoch(epoch_rows(lengths, p.seed, e, p.batch_tokens), d, p) for e in range(p.epochs)]
+    if min(per_epoch) == 0:
+        raise EaglepipeError(
+            f"{len(train)} training samples packed in rows of ≤{p.batch_tokens} tokens cannot make one step of "
+            f"{d.world} ranks × grad_accum {p.grad_accum} per epoch; lower train.batch_tokens or train.grad_accum")
+    total = sum(per_epoch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup_steps, total))
+    key = run_key({"train": p.model_dump(), "features": fs.manifest.get("run_key"), "n": len(fs),
+                   "target": target_cfg, "world": d.world})
+    return Run(d, device, p, features_dir, fs, train, held, lengths, inv, head, cfg, vstats, draft, unroll, model,
+               opt, sched, total, Path(scratch_dir) / key / CKPT)
+
+
+def _steps_per_epoch(rows: list, d: Dist, p: TrainParams) -> int:
+    # packing depends on the shuffle, so the number of rows (and steps) may differ by one between epochs
+    return (len(rows) // d.world) // p.grad_accum
+
+
+def resume(run: Run) -> State:
+    """Step 5: load ``run.ckpt`` when a killed run with the same key left one (model, optimizer, schedule, RNG,
+    :class:`State`); else a fresh State. Rank 0 creates the checkpoint folder."""
+    st = State()
+    if run.ckpt.exists():
+        ck = torch.load(run.ckpt, map_location="cpu", weights_only=False)
+        run.draft.load_state_dict(ck["model"])
+        run.opt.load_state_dict(ck["optimizer"])
+        run.sched.load_state_dict(ck["scheduler"])
+        set_rng_state(ck["rng"])
+        st = State(**{**vars(State()), **vars(ck["state"])})  # a checkpoint from before a State field was added
+        log.info("resumed %s at epoch %d, micro-batch %d, step %d", run.ckpt, st.epoch, st.micro, st.step)
+    if run.d.main:
+        run.ckpt.parent.mkdir(parents=True, exist_ok=True)
+    return st
+
+
+def checkpoint(run: Run, st: State) -> None:
+    """Write ``run.ckpt`` atomically (rank 0); every rank waits for it."""
+    if run.d.main:
+        atomic_save({"model": run.draft.state_dict(), "optimizer": run.opt.state_dict(),
+                     "scheduler": run.sched.state_dict(), "rng": rng_state(), "state": st}, run.ckpt)
+    if run.d.world > 1:
+        dist.barrier()
+
+
+class Curves:
+    """dvclive curves whose history lives in the checkpoint: on resume the rows before the resume point are
+    replayed from :attr:`State.curves` into a fresh dvclive folder, so the curves show every step from the
+    start even when the folder was emptied in between (``dvc repro`` empties outs before a stage runs)."""
+
+    def __init__(self, live_dir, st: State, main: bool):
+        self.live, self.st = None, st
+        if live_dir is None or not main:
+            return
+        try:
+            from dvclive import Live
+        except ImportError:  # e.g. the GPU image: curves are lost, metrics JSON still written
+            log.warning("dvclive is not installed: no training curves in %s", live_dir)
+            return
+        self.live = Live(str(live_dir), resume=False, save_dvc_exp=False, dvcyaml=None, report=None)
+        for step, row in st.curves:
+            self._write(step, row)
+
+    def _write(self, step: int, row: dict) -> None:
+        self.live.step = step
+        for k, v in row.items():
+            self.live.log_metric(k, v)
+        self.live.next_step()
+
+    def log(self, step: int, row: dict) -> None:
+        self.st.curves.append((step, row))
+        if self.live is not None:
+            self._write(step, row)
+
+    def end(self, best_tau: float) -> None:
+        if self.live is not None:
+            self.live.log_metric("best/tau_sim", best_tau, plot=False)
+            self.live.end()
+
+
+def _raise_non_finite(run: Run, st: State, rows: list, loss: float, grad_norm: float) -> None:
+    names = ", ".join(f"{r.id!r} ({r.shard})" for row in rows for r in row)
+    kept = f"the last good checkpoint {run.ckpt} is kept" if run.ckpt.exists() else "no checkpoint was written yet"
+    raise TrainingError(
+        f"non-finite training loss {loss} (grad norm {grad_norm}) at optimizer step {st.step + 1}, epoch {st.epoch}, "
+        f"rank {run.d.rank}; its micro-batches held samples {names} (their features are finite); nothing of this "
+        f"step was applied and {kept}. Lower train.lr or check those samples")
+
+
+def optimizer_step(run: Run, st: State, stats: StepStats, rows: list, curves: Curves) -> None:
+    """Reduce the step's stats, refuse a non-finite loss or gradient, clip, step, schedule, log one curve row."""
+    stats.reduce(run.d.world)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.draft.parameters(), run.p.grad_clip))
+    loss = float(stats.loss)
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        _raise_non_finite(run, st, rows, loss, grad_norm)
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    st.step += 1
+    st.tokens += int(stats.tokens)
+    st.losses.append(loss)
+    curves.log(st.step, stats.curves(run.sched.get_last_lr()[0]))
+
+
+def run_epoch(run: Run, st: State, curves: Curves, stop_after: int | None) -> bool:
+    """Step 6: this rank's micro-batches of epoch ``st.epoch`` from ``st.micro`` on; True when stopped early."""
+    p, d = run.p, run.d
+    rows = epoch_rows(run.lengths, p.seed, st.epoch, p.batch_tokens)
+    if st.micro == 0:
+        st.padding.append(padding_fraction(run.lengths, rows, p.batch_tokens))
+    n_micro = _steps_per_epoch(rows, d, p) * p.grad_accum
+    mine = [[run.train[i] for i in row] for row in rows[d.rank :: d.world][:n_micro]]
+    t0, stats, step_rows = time.time(), StepStats.zeros(p.ttt_steps, run.device), []
+    for refs, b in run.stream(mine[st.micro :]):
+        last_micro = (st.micro + 1) % p.grad_accum == 0
+        sync = run.model.no_sync() if (d.world > 1 and not last_micro) else nullcontext()
+        with sync:
+            r = run.forward(b)
+            (r.loss / p.grad_accum).backward()
+        stats.add(r, b.input_ids.numel(), p.grad_accum)
+        step_rows.append(refs)
+        st.micro += 1
+        if not last_micro:
+            continue
+        optimizer_step(run, st, stats, step_rows, curves)
+        stats, step_rows = StepStats.zeros(p.ttt_steps, run.device), []
+        if st.step % p.checkpoint_every == 0 or st.step == stop_after:
+            st.seconds, t0 = st.seconds + time.time() - t0, time.time()
+            checkpoint(run, st)
+        if st.step == stop_after:
+            log.info("stopping after step %d (stop_after)", st.step)
+            return True
+    st.seconds += time.time() - t0
+    return False
 
 
 @torch.no_grad()
-def evaluate(unroll: TTTUnroll, head, samples, inv, max_tokens: int, device, autocast) -> dict:
-    """TTT on held-out samples: per-step accuracy over counted positions, mean loss, τ_sim, OOV top-1 share."""
-    lengths = [len(s.input_ids) for s in samples]
-    S = unroll.steps
+def evaluate(run: Run) -> dict:
+    """Step 7: TTT on the held-out samples: per-step accuracy over counted positions, mean loss, τ_sim, OOV
+    top-1 share, counted positions."""
+    S = run.p.ttt_steps
     correct, counted, trained = torch.zeros(S), torch.zeros(S), torch.zeros(S)
     loss, n = 0.0, 0
-    for row in pack(lengths, list(range(len(samples))), max_tokens):
-        b = collate([samples[i] for i in row], max_tokens, inv).to(device)
-        soft = soft_targets(head, b.last, unroll.draft.t2d, b.top_in_vocab)
-        with autocast():
-            r = unroll(b, soft)
+    rows = pack([r.n_tokens for r in run.held], list(range(len(run.held))), run.p.batch_tokens)
+    for _, b in run.stream([[run.held[i] for i in row] for row in rows]):
+        r = run.forward(b, run.unroll)
         correct += r.correct.cpu()
         counted += r.counted.cpu()
         trained += r.trained.cpu()
@@ -205,6 +606,47 @@ def evaluate(unroll: TTTUnroll, head, samples, inv, max_tokens: int, device, aut
         "tau_sim": tau_sim(acc),
         "oov_top1": float(1 - trained[0] / counted[0].clamp(min=1)),
         "positions": int(counted[0]),
+    }
+
+
+def end_epoch(run: Run, st: State, curves: Curves) -> None:
+    """Step 7: evaluate, log, keep the weights if τ_sim is the best so far, move to the next epoch, checkpoint."""
+    ev = evaluate(run)
+    ev["epoch"], ev["step"] = st.epoch, st.step
+    st.evals.append(ev)
+    log.info("epoch %d: eval loss %.4f, acc %s, tau_sim %.3f", st.epoch, ev["loss"],
+             [round(a, 3) for a in ev["acc"]], ev["tau_sim"])
+    row = {"eval/tau_sim": ev["tau_sim"], "eval/loss": ev["loss"]}
+    row.update({f"eval/acc_step{j}": a for j, a in enumerate(ev["acc"])})
+    curves.log(st.step, row)
+    if ev["tau_sim"] > st.best_tau:
+        st.best_tau, st.best_epoch, st.best_acc = ev["tau_sim"], st.epoch, ev["acc"]
+        st.best_state = {k: v.detach().cpu().clone() for k, v in run.draft.state_dict().items()}
+    st.epoch, st.micro = st.epoch + 1, 0
+    checkpoint(run, st)
+
+
+def summarize(run: Run, st: State, resumed_from: int) -> dict:
+    """Step 8's metrics dict (flat per-step accuracies for dvc)."""
+    per_step = lambda acc: {f"step{j}": round(a, 4) for j, a in enumerate(acc)}  # noqa: E731
+    return {
+        "draft": run.cfg.to_dict(),
+        "layers": run.fs.layers,
+        "vocab": run.vstats,
+        "samples": {"train": len(run.train), "eval": len(run.held)},
+        "train_tokens": st.tokens,
+        "steps": st.step,
+        "seconds": round(st.seconds, 2),
+        "tokens_per_s": round(st.tokens / st.seconds, 1) if st.seconds else 0.0,
+        "padding_fraction": round(sum(st.padding) / max(1, len(st.padding)), 4),
+        "best": {"epoch": st.best_epoch, "tau_sim": round(st.best_tau, 4), "acc": per_step(st.best_acc)},
+        "oov_top1": round(st.evals[-1]["oov_top1"], 4),
+        "evals": {f"epoch{e['epoch']}": {"tau_sim": round(e["tau_sim"], 4), "loss": round(e["loss"], 4),
+                                         "acc": per_step(e["acc"])} for e in st.evals},
+        "final_train_loss": st.losses[-1] if st.losses else None,
+        "device": str(run.device),
+        "world_size": run.d.world,
+        "resumed_from_step": resumed_from,
     }
 
 
@@ -223,204 +665,28 @@ def train_drafter(
     scratch_dir: where ``<run key>/last.pt`` lives (outside DVC outs, so a killed run resumes).
     live_dir: dvclive folder (None: no dvclive).
     stop_after: stop (as if killed) right after the checkpoint of this optimizer step (tests).
+    Raises TrainingError (non-finite features or loss: the checkpoint of the last good step is kept; a sample
+    longer than train.batch_tokens), FeatureStoreError, CaptureMismatch, EaglepipeError (see :func:`setup`).
     """
     d = init_distributed()
-    device = pick_device(d)
-    autocast = (
-        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-        if device.type == "cuda"
-        else (lambda: torch.autocast("cpu", enabled=False))
-    )
-
-    # 1. features and target
-    fs = FeatureSet(features_dir)
-    samples = list(fs)
-    target_cfg = load_target_config(target_dir)
-    head = load_target_head(target_dir)
-    cfg = DraftConfig.from_target(target_cfg, n_aux=len(fs.layers), draft_vocab_size=p.draft_vocab_size)
-    if samples and samples[0].aux.shape[-1] != cfg.target_hidden_size:
-        raise EaglepipeError(
-            f"features {features_dir}: aux width {samples[0].aux.shape[-1]} != target hidden_size "
-            f"{cfg.target_hidden_size} of {target_dir}; the features were captured from another target"
-        )
-    if cfg.n_aux != 3:
-        log.warning("%d aux layers: SGLang and vLLM (LlamaForCausalLMEagle3) build fc for exactly 3·Ht inputs; "
-                    "this draft will train but not load in those engines", cfg.n_aux)
-    if len(samples) < 2:
-        raise EaglepipeError(f"features {features_dir}: {len(samples)} samples; need ≥ 2 (train + held-out)")
-
-    # 2-3. split and vocabulary
-    train, held = split_samples(samples, p.eval_fraction, p.seed)
-    counts = count_predicted_tokens(train, cfg.vocab_size)
-    vocab = build_draft_vocab(counts, p.draft_vocab_size)
-    vstats = vocab_stats(counts, vocab)
-    log.info("samples: %d train / %d eval; draft vocab %d covers %.1f%% of predicted tokens",
-             len(train), len(held), vocab.size, 100 * vstats["coverage"])
-
-    # 4. model
-    torch.manual_seed(p.seed)
-    draft = Eagle3Draft(cfg)
-    draft.set_vocab(vocab.d2t, vocab.t2d)
-    with torch.no_grad():  # start from the target's lm_head rows (as speculators does). Also copying the target's
-        # final norm weight was tried on SmolLM2 features: less stable (eval loss rose at lr 3e-3), so norm starts at 1
-        draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
-    draft.to(device)
-    head = head.to(device)
-    inv = top1_in_vocab(head, samples, draft.t2d)  # sample id → (T,) bool, on the CPU like the samples
-    unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay).to(device)
-    ids = [device.index] if device.type == "cuda" else None
-    model = DDP(unroll, device_ids=ids, broadcast_buffers=False) if d.world > 1 else unroll
-    opt = torch.optim.AdamW(draft.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=(0.9, 0.95))
-
-    lengths = [len(s.input_ids) for s in train]
-    # packing depends on the shuffle, so the number of rows (and steps) may differ by one between epochs
-    steps_per_epoch = lambda rows: (len(rows) // d.world) // p.grad_accum  # noqa: E731
-    per_epoch = [steps_per_epoch(epoch_rows(lengths, p.seed, e, p.batch_tokens)) for e in range(p.epochs)]
-    total_steps = sum(per_epoch)
-    if min(per_epoch) == 0:
-        raise EaglepipeError(
-            f"{len(train)} training samples packed in rows of ≤{p.batch_tokens} tokens cannot make one step of "
-            f"{d.world} ranks × grad_accum {p.grad_accum} per epoch; lower train.batch_tokens or train.grad_accum"
-        )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup_steps, total_steps))
-
-    # 5. resume
-    key = run_key({"train": p.model_dump(), "features": fs.manifest.get("run_key"), "n": len(samples),
-                   "target": target_cfg, "world": d.world})
-    ckpt_dir = Path(scratch_dir) / key
-    st, resumed_from = State(), 0
-    if (ckpt_dir / CKPT).exists():
-        ck = torch.load(ckpt_dir / CKPT, map_location="cpu", weights_only=False)
-        draft.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        set_rng_state(ck["rng"])
-        st = ck["state"]
-        resumed_from = st.step
-        log.info("resumed %s at epoch %d, micro-batch %d, step %d", ckpt_dir / CKPT, st.epoch, st.micro, st.step)
-    if d.main:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-
-    def checkpoint() -> None:
-        if d.main:
-            atomic_save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                         "rng": rng_state(), "state": st}, ckpt_dir / CKPT)
-        if d.world > 1:
-            dist.barrier()
-
-    live = None
-    if live_dir is not None and d.main:
-        try:
-            from dvclive import Live
-        except ImportError:  # e.g. the GPU image: curves are lost, metrics JSON still written
-            log.warning("dvclive is not installed: no training curves in %s", live_dir)
-        else:
-            live = Live(str(live_dir), resume=st.step > 0, save_dvc_exp=False, dvcyaml=None, report=None)
+    run = setup(features_dir, target_dir, p, d, pick_device(d), scratch_dir)
+    st = resume(run)
+    resumed_from = st.step
+    curves = Curves(live_dir, st, d.main)
     log.info("draft: %d trainable parameters, %d optimizer steps, device %s, world %d",
-             n_params(draft), total_steps, device, d.world)
-
-    # 6-7. epochs
+             n_params(run.draft), run.total_steps, run.device, d.world)
     while st.epoch < p.epochs:
-        rows = epoch_rows(lengths, p.seed, st.epoch, p.batch_tokens)
-        n_micro = steps_per_epoch(rows) * p.grad_accum
-        mine = rows[d.rank :: d.world][:n_micro]
-        t0 = time.time()
-        acc_stats = torch.zeros(3 * p.ttt_steps + 2, device=device)  # loss_j, correct_j, counted_j, loss, tokens
-        while st.micro < n_micro:
-            b = collate([train[i] for i in mine[st.micro]], p.batch_tokens, inv).to(device)
-            soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab)
-            last_micro = (st.micro + 1) % p.grad_accum == 0
-            sync = model.no_sync() if (d.world > 1 and not last_micro) else nullcontext()
-            with sync:
-                with autocast():
-                    r = model(b, soft)
-                (r.loss / p.grad_accum).backward()
-            S = p.ttt_steps
-            acc_stats[:S] += r.step_loss / p.grad_accum
-            acc_stats[S : 2 * S] += r.correct
-            acc_stats[2 * S : 3 * S] += r.counted
-            acc_stats[3 * S] += r.loss.detach() / p.grad_accum
-            acc_stats[3 * S + 1] += b.input_ids.numel()
-            st.micro += 1
-            if not last_micro:
-                continue
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), p.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            if d.world > 1:
-                dist.all_reduce(acc_stats)
-                acc_stats[:S] /= d.world
-                acc_stats[3 * S] /= d.world
-            st.step += 1
-            st.tokens += int(acc_stats[3 * S + 1])
-            st.losses.append(float(acc_stats[3 * S]))
-            if live is not None:
-                live.step = st.step
-                live.log_metric("train/loss", float(acc_stats[3 * S]))
-                live.log_metric("train/lr", sched.get_last_lr()[0])
-                for j in range(S):
-                    live.log_metric(f"train/loss_step{j}", float(acc_stats[j]))
-                    live.log_metric(f"train/acc_step{j}", float(acc_stats[S + j] / acc_stats[2 * S + j].clamp(min=1)))
-                live.next_step()
-            acc_stats.zero_()
-            if st.step % p.checkpoint_every == 0 or st.step == stop_after:
-                st.seconds += time.time() - t0
-                t0 = time.time()
-                checkpoint()
-            if st.step == stop_after:
-                log.info("stopping after step %d (stop_after)", st.step)
-                return {"stopped_at": st.step, "losses": st.losses}
-        st.seconds += time.time() - t0
-
-        ev = evaluate(unroll, head, held, inv, p.batch_tokens, device, autocast)
-        ev["epoch"], ev["step"] = st.epoch, st.step
-        st.evals.append(ev)
-        log.info("epoch %d: eval loss %.4f, acc %s, tau_sim %.3f", st.epoch, ev["loss"],
-                 [round(a, 3) for a in ev["acc"]], ev["tau_sim"])
-        if live is not None:
-            live.step = st.step
-            live.log_metric("eval/tau_sim", ev["tau_sim"])
-            live.log_metric("eval/loss", ev["loss"])
-            for j, a in enumerate(ev["acc"]):
-                live.log_metric(f"eval/acc_step{j}", a)
-            live.next_step()
-        if ev["tau_sim"] > st.best_tau:
-            st.best_tau, st.best_epoch, st.best_acc = ev["tau_sim"], st.epoch, ev["acc"]
-            st.best_state = {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}
-        st.epoch, st.micro = st.epoch + 1, 0
-        checkpoint()
-
-    # 8. outputs
-    per_step = lambda acc: {f"step{j}": round(a, 4) for j, a in enumerate(acc)}  # noqa: E731  flat for dvc
-    summary = {
-        "draft": cfg.to_dict(),
-        "layers": fs.layers,
-        "vocab": vstats,
-        "samples": {"train": len(train), "eval": len(held)},
-        "train_tokens": st.tokens,
-        "steps": st.step,
-        "seconds": round(st.seconds, 2),
-        "tokens_per_s": round(st.tokens / st.seconds, 1) if st.seconds else 0.0,
-        "best": {"epoch": st.best_epoch, "tau_sim": round(st.best_tau, 4), "acc": per_step(st.best_acc)},
-        "oov_top1": round(st.evals[-1]["oov_top1"], 4),
-        "evals": {f"epoch{e['epoch']}": {"tau_sim": round(e["tau_sim"], 4), "loss": round(e["loss"], 4),
-                                         "acc": per_step(e["acc"])} for e in st.evals},
-        "final_train_loss": st.losses[-1] if st.losses else None,
-        "device": str(device),
-        "world_size": d.world,
-        "resumed_from_step": resumed_from,
-    }
+        if run_epoch(run, st, curves, stop_after):
+            return {"stopped_at": st.step, "losses": st.losses}
+        end_epoch(run, st, curves)
+    summary = summarize(run, st, resumed_from)
     if d.main:
-        draft.load_state_dict(st.best_state)
-        save_draft(draft, Path(out_dir), extra={"layers": fs.layers, "target": str(target_dir),
-                                                "best_tau_sim": st.best_tau, "best_epoch": st.best_epoch})
-        if live is not None:
-            live.log_metric("best/tau_sim", st.best_tau, plot=False)
-            live.end()
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        run.draft.load_state_dict(st.best_state)
+        save_draft(run.draft, Path(out_dir), extra={"layers": run.fs.layers, "target": str(target_dir),
+                                                    "best_tau_sim": st.best_tau, "best_epoch": st.best_epoch})
+        curves.end(st.best_tau)
+        shutil.rmtree(run.ckpt.parent, ignore_errors=True)
     if d.world > 1:
         dist.barrier()
     summary["losses"] = st.losses
     return summary
-

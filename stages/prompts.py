@@ -21,7 +21,7 @@ def main():
     write_jsonl(out_dir / "train.jsonl", train)
     write_jsonl(out_dir / "eval.jsonl", mtbench + held_out)
     write_metrics(metrics, {
-        "source": p.source, "read": ps.read, "usable": len(ps.records),
+        "source": p.source, "read": ps.read, "usable": len(ps.records), "bad_bytes": ps.bad_bytes,
         "skipped": {r: ps.skipped.get(r, 0) for r in SKIP_REASONS},
         "train": len(train), "eval_conversations": len(held_out), "eval_mtbench": len(mtbench),
     })

