@@ -298,7 +298,7 @@ def test_stage_names_a_truncated_shard(features, tiny_target, tmp_path):
     params["train"].update(draft_vocab_size=64, epochs=1, batch_tokens=64, warmup_steps=1)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(bad), str(tiny_target),
-                        "data/drafter", "metrics/train_drafter.json", "dvclive/train_drafter"],
+                        "data/drafter", "metrics/train_drafter.json", "reports/train.json", "dvclive/train_drafter"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
