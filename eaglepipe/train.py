@@ -43,7 +43,7 @@ from .errors import EaglepipeError
 from .features import FeatureSample, FeatureSet, run_key
 from .params import TrainParams
 from .target_head import load_target_config, load_target_head, soft_targets
-from .ttt import Batch, TTTUnroll, tau_sim
+from .ttt import Batch, TTTUnroll, compile_draft, tau_sim
 from .vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 
 log = logging.getLogger(__name__)
@@ -267,10 +267,14 @@ def train_drafter(
     draft.to(device)
     head = head.to(device)
     inv = top1_in_vocab(head, samples, draft.t2d)  # sample id → (T,) bool, on the CPU like the samples
-    unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay).to(device)
+    draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)
+    unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay, fast=p.fast).to(device)
+    if p.fast:
+        compile_draft(draft)
     ids = [device.index] if device.type == "cuda" else None
     model = DDP(unroll, device_ids=ids, broadcast_buffers=False) if d.world > 1 else unroll
-    opt = torch.optim.AdamW(draft.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([q for q in draft.parameters() if q.requires_grad], lr=p.lr, weight_decay=p.weight_decay,
+                            betas=(0.9, 0.95), fused=p.fast and device.type == "cuda")
 
     lengths = [len(s.input_ids) for s in train]
     # packing depends on the shuffle, so the number of rows (and steps) may differ by one between epochs
@@ -328,7 +332,7 @@ def train_drafter(
         acc_stats = torch.zeros(3 * p.ttt_steps + 2, device=device)  # loss_j, correct_j, counted_j, loss, tokens
         while st.micro < n_micro:
             b = collate([train[i] for i in mine[st.micro]], p.batch_tokens, inv).to(device)
-            soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab)
+            soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab, precision=p.teacher_precision)
             last_micro = (st.micro + 1) % p.grad_accum == 0
             sync = model.no_sync() if (d.world > 1 and not last_micro) else nullcontext()
             with sync:

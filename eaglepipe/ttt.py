@@ -181,15 +181,20 @@ class FlexTTTAttention:
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
 
+    @torch.compiler.disable
+    def mask(self, j: int):
+        """Block mask of step j (built on first use by extending step j-1's)."""
+        while len(self.masks) <= j:
+            self.masks.append(extend_block_mask(self.masks[-1], self.mask_mod, self.T))
+        return self.masks[j]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.ks.append(k)  # (B, nkv, T, hd)
         self.vs.append(v)
         j = len(self.ks) - 1
-        while len(self.masks) <= j:
-            self.masks.append(extend_block_mask(self.masks[-1], self.mask_mod, self.T))
         K = torch.cat(self.ks, dim=2) if j else k  # (B, nkv, (j+1)·T, hd)
         V = torch.cat(self.vs, dim=2) if j else v
-        return flex_attention_fn()(q, K, V, block_mask=self.masks[j], enable_gqa=q.shape[1] != k.shape[1])
+        return flex_attention_fn()(q, K, V, block_mask=self.mask(j), enable_gqa=q.shape[1] != k.shape[1])
 
 
 class SoftCE(torch.autograd.Function):
@@ -373,6 +378,20 @@ def ttt_unroll_fast(
         trained.append(w)
         hidden = out
     return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
+
+
+
+def compile_draft(draft: Eagle3Draft, whole_layer: bool = False) -> None:
+    """torch.compile the draft's elementwise-heavy parts in place (parameter names unchanged): the norms and the
+    MLP, or with ``whole_layer`` the decoder layer including its attention (flex_attention is traced into the
+    graph). A no-op off CUDA."""
+    if not torch.cuda.is_available():
+        return
+    parts = [draft.midlayer] if whole_layer else [
+        draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm,
+        draft.midlayer.mlp, draft.norm]
+    for m in parts:
+        m.compile()
 
 
 class TTTUnroll(torch.nn.Module):

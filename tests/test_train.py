@@ -167,3 +167,19 @@ def test_stage_script(features, tiny_target, tmp_path):
     assert (tmp_path / "data" / "drafter" / "model.safetensors").exists()
     assert (tmp_path / "dvclive" / "train_drafter" / "metrics.json").exists()
     assert not (tmp_path / "dvc.yaml").exists()  # dvclive must not write the pipeline's dvc.yaml
+
+
+def test_fast_step_trains_the_same_and_lm_head_can_be_frozen(features, tiny_target, tmp_path):
+    p = _params(epochs=2)
+    plain = train_drafter(features, tiny_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa")
+    fast = train_drafter(features, tiny_target, tmp_path / "b", _params(epochs=2, fast=True), scratch_dir=tmp_path / "sb")
+    torch.testing.assert_close(torch.tensor(fast["losses"]), torch.tensor(plain["losses"]), rtol=1e-4, atol=1e-5)
+    assert fast["best"]["tau_sim"] == pytest.approx(plain["best"]["tau_sim"], abs=1e-3)
+    frozen = train_drafter(features, tiny_target, tmp_path / "c", _params(epochs=1, freeze_lm_head=True),
+                           scratch_dir=tmp_path / "sc")
+    w, init = load_file(str(tmp_path / "c" / "model.safetensors")), load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert frozen["steps"] > 0 and not torch.equal(w["fc.weight"], init["fc.weight"])
+    from eaglepipe.target_head import load_target_head
+
+    head = load_target_head(tiny_target)
+    torch.testing.assert_close(w["lm_head.weight"], head.lm_head[w["t2d"]], rtol=0, atol=0)  # never trained
