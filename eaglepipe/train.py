@@ -267,6 +267,7 @@ def train_drafter(
     draft.to(device)
     head = head.to(device)
     inv = top1_in_vocab(head, samples, draft.t2d)  # sample id → (T,) bool, on the CPU like the samples
+    head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied
     draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)
     unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay, fast=p.fast).to(device)
     if p.fast:
