@@ -10,6 +10,7 @@ Implementations (``impl`` in the JSON):
 - ``eaglepipe-fast``: ``train.fast`` (ttt.ttt_unroll_fast + compile_draft + fused AdamW) with
   ``train.teacher_precision: tf32``.
 - ``eaglepipe-fast-frozen``: the same with ``train.freeze_lm_head`` (speculators' default set-up).
+- ``eaglepipe-fast-frozen-bf16t``: the same with a bf16 teacher product (what speculators computes).
 - ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function.
 - ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,
   flex attention, its fused Triton KL loss kept out of the compiled graph), lm_head frozen (its default) / trained.
@@ -259,6 +260,7 @@ IMPLS = {
     "eaglepipe-plain": lambda s, x, t: eaglepipe_impl(s, x, t, fast=False),
     "eaglepipe-fast": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32"),
     "eaglepipe-fast-frozen": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", frozen=True),
+    "eaglepipe-fast-frozen-bf16t": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="bf16", frozen=True),
     "eaglepipe-fast-unroll-frozen": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", frozen=True,
                                                                    whole_unroll=True),
     "speculators": lambda s, x, t: speculators_impl(s, x, t),
@@ -391,7 +393,7 @@ def main() -> None:
                     gc.collect()
                     torch.cuda.empty_cache()
                     continue
-                r["device"] = device
+                r["device"], r["measured"] = device, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 new.append(r)
                 print_table([r])
                 sys.stdout.flush()

@@ -201,9 +201,9 @@ class SoftCE(torch.autograd.Function):
     """Σ_t w_t · (−Σ_v p_tv log softmax(x_t Wᵀ)_v) and argmax_v (x_t Wᵀ), ``chunk`` tokens at a time.
 
     x (N, H) the normed draft output, W (Vd, H) lm_head, p (N, Vd) soft targets, w (N,) fp32 weights.
-    The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)), so only one chunk of logits exists
-    at a time; backward scales the stored gradients. Under autocast the products run in its dtype (as
-    ``nn.Linear`` would), the softmax in fp32.
+    The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one chunk of
+    logits at a time in fp32, dz is kept in the product dtype (N, Vd), and the two gradient products are one
+    GEMM each; backward only scales them. Under autocast the products run in its dtype (as ``nn.Linear`` would).
     """
 
     @staticmethod
@@ -215,16 +215,15 @@ class SoftCE(torch.autograd.Function):
             xd, Wd = x.to(dt), W.to(dt)  # (N, H), (Vd, H)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             arg = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # (N,)
-            gx = torch.empty_like(x) if need_x else None  # (N, H)
-            gW = torch.zeros_like(W, dtype=torch.float32) if need_w else None  # (Vd, H) fp32
+            dz = torch.empty(x.shape[0], W.shape[0], dtype=dt, device=x.device) if need_x or need_w else None
             for a in range(0, x.shape[0], chunk):
-                z = (xd[a : a + chunk] @ Wd.T).float()  # (c, Vd)
-                ce, arg[a : a + chunk], g = _soft_ce_chunk(z, p[a : a + chunk], w[a : a + chunk])
+                z = xd[a : a + chunk] @ Wd.T  # (c, Vd) in dt
+                ce, arg[a : a + chunk], g = _soft_ce_chunk(z, p[a : a + chunk], w[a : a + chunk], dz is not None)
                 loss = loss + ce
-                if need_x:
-                    gx[a : a + chunk] = (g.to(dt) @ Wd).to(x.dtype)  # (c, H)
-                if need_w:
-                    gW += (g.to(dt).T @ xd[a : a + chunk]).float()  # (Vd, H)
+                if dz is not None:
+                    dz[a : a + chunk] = g  # (c, Vd)
+            gx = (dz @ Wd).to(x.dtype) if need_x else None  # (N, H)
+            gW = (dz.T @ xd).float() if need_w else None  # (Vd, H)
         ctx.save_for_backward(gx, gW)
         ctx.w_dtype = W.dtype
         ctx.mark_non_differentiable(arg)
@@ -237,25 +236,26 @@ class SoftCE(torch.autograd.Function):
                 None if gW is None else (gW * grad_loss).to(ctx.w_dtype), None, None, None, None)
 
 
-def _soft_ce_chunk_impl(z: torch.Tensor, p: torch.Tensor, w: torch.Tensor):
-    """z (c, Vd) fp32 logits, p (c, Vd), w (c,) → (Σ w·ce, argmax (c,), dloss/dz (c, Vd) fp32)."""
-    logq = torch.log_softmax(z, dim=-1)  # (c, Vd)
+def _soft_ce_chunk_impl(z: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool):
+    """z (c, Vd) logits, p (c, Vd), w (c,) → (Σ w·ce, argmax (c,), dloss/dz (c, Vd) in z's dtype or None)."""
+    zf = z.float()
+    logq = torch.log_softmax(zf, dim=-1)  # (c, Vd) fp32
     pf = p.float()
     ce = -(pf * logq).sum(-1)  # (c,)
-    g = (logq.exp() * pf.sum(-1, keepdim=True) - pf) * w[:, None]  # (c, Vd)
-    return (ce * w).sum(), z.argmax(-1), g
+    g = ((logq.exp() * pf.sum(-1, keepdim=True) - pf) * w[:, None]).to(z.dtype) if grad else None  # (c, Vd)
+    return (ce * w).sum(), zf.argmax(-1), g
 
 
 _soft_ce_compiled = None
 
 
-def _soft_ce_chunk(z, p, w):
+def _soft_ce_chunk(z, p, w, grad: bool):
     global _soft_ce_compiled
     if not z.is_cuda:
-        return _soft_ce_chunk_impl(z, p, w)
+        return _soft_ce_chunk_impl(z, p, w, grad)
     if _soft_ce_compiled is None:  # one fused kernel per pass instead of ~8 full-size elementwise passes
         _soft_ce_compiled = torch.compile(_soft_ce_chunk_impl, dynamic=True)
-    return _soft_ce_compiled(z, p, w)
+    return _soft_ce_compiled(z, p, w, grad)
 
 
 def soft_ce(x: torch.Tensor, W: torch.Tensor, p: torch.Tensor, w: torch.Tensor, chunk: int | None = None):
