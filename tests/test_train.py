@@ -128,10 +128,11 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_two_gloo_ranks_equal_one_process_with_grad_accum_2(features, tiny_target, tmp_path):
-    p = _params(epochs=2, batch_tokens=32)
-    one = train_drafter(features, tiny_target, tmp_path / "one", _params(epochs=2, batch_tokens=32, grad_accum=2),
-                        scratch_dir=tmp_path / "s1")
+@pytest.mark.parametrize("fast", [False, True])  # the fast step's fused loss must feed DDP's gradient hooks too
+def test_two_gloo_ranks_equal_one_process_with_grad_accum_2(features, tiny_target, tmp_path, fast):
+    p = _params(epochs=2, batch_tokens=32, fast=fast)
+    one = train_drafter(features, tiny_target, tmp_path / "one",
+                        _params(epochs=2, batch_tokens=32, grad_accum=2, fast=fast), scratch_dir=tmp_path / "s1")
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     with socket.socket() as sock:
