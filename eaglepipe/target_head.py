@@ -89,15 +89,16 @@ def soft_targets(
     Finding whether the full-vocabulary top-1 is in the draft vocabulary needs the (T, V) product; when the
     caller already knows it (``top_in_vocab`` (B, T) bool, computed once per sample by train.py), only the Vd
     draft rows of lm_head are multiplied — V/Vd times less work (6× for SmolLM2 with Vd = 8192) every epoch.
-    precision: of the lm_head product (:meth:`TargetHead.logits`). chunk: tokens per product (default: ~64M
-    logits, at least 1024 tokens).
+    precision: of the lm_head product (:meth:`TargetHead.logits`). chunk: tokens per product (default: 1024 on
+    CPU, ~64M logits and at least 1024 tokens on CUDA).
     """
     B, T, _ = last.shape
     flat = last.reshape(B * T, -1)  # (B·T, H)
     if head.draft_only and top_in_vocab is None:
         raise ValueError("a head cut to the draft rows (draft_rows) needs top_in_vocab")
     rows = None if top_in_vocab is None else head.lm_head if head.draft_only else head.lm_head[t2d]  # (Vd, H)
-    chunk = chunk or max(1024, (1 << 26) // (head.lm_head.shape[0] if rows is None else rows.shape[0]))
+    if chunk is None:  # CPU: 1024 as before (same products, same bits); CUDA: ~64M logits a product
+        chunk = max(1024, (1 << 26) // (head.lm_head.shape[0] if rows is None else rows.shape[0])) if last.is_cuda else 1024
     ps, inv = [], []
     for a in range(0, B * T, chunk):
         logits = head.logits(flat[a : a + chunk], rows, precision)  # (c, V), or (c, Vd) with rows
