@@ -98,7 +98,8 @@ def soft_targets(
         raise ValueError("a head cut to the draft rows (draft_rows) needs top_in_vocab")
     rows = None if top_in_vocab is None else head.lm_head if head.draft_only else head.lm_head[t2d]  # (Vd, H)
     if chunk is None:  # CPU: 1024 as before (same products, same bits); CUDA: ~64M logits a product
-        chunk = max(1024, (1 << 26) // (head.lm_head.shape[0] if rows is None else rows.shape[0])) if last.is_cuda else 1024
+        width = head.lm_head.shape[0] if rows is None else rows.shape[0]  # V or Vd
+        chunk = max(1024, (1 << 26) // width) if last.is_cuda else 1024
     ps, inv = [], []
     for a in range(0, B * T, chunk):
         logits = head.logits(flat[a : a + chunk], rows, precision)  # (c, V), or (c, Vd) with rows
