@@ -11,7 +11,8 @@ Implementations (``impl`` in the JSON):
   ``train.teacher_precision: tf32``.
 - ``eaglepipe-fast-frozen``: the same with ``train.freeze_lm_head`` (speculators' default set-up).
 - ``eaglepipe-fast-frozen-bf16t``: the same with a bf16 teacher product (what speculators computes).
-- ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function.
+- ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
+  on the H200).
 - ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,
   flex attention, its fused Triton KL loss kept out of the compiled graph), lm_head frozen (its default) / trained.
 Peers are imported only here (``--peer-path``: where their wheels were installed); a missing peer is skipped.

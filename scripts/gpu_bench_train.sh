@@ -4,6 +4,10 @@
 # pydantic, pydantic-settings, loguru, ...; fetched with `pip download --no-deps`, see the device README).
 # Usage, in the repo root on the device: bash scripts/gpu_bench_train.sh [train_step.py args]
 # Writes benchmarks/h200/train_step.json (+ train_step_checks.json with --checks), copied with the log to $OUT.
+# The device tool sends the session's main checkout; from another worktree, copy it (tracked files + .whl/) into
+# an ignored folder of that checkout, e.g. .gpu-train/, carry it, and run: cd .gpu-train && bash scripts/gpu_bench_train.sh
+# Runs used for the committed figures (one command each, ≤ 10 min):
+#   --checks --shapes A --ttt 3 7 ;  --shapes B --ttt 3 7 --iters 5 --warmup 2 ;  --shapes A/B --iters 4 --warmup 2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/out}"
