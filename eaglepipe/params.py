@@ -69,6 +69,12 @@ class TrainParams(_Strict):
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     checkpoint_every: int = Field(100, ge=1)
     seed: int = 0
+    fast: bool = Field(False, description="fast TTT step (ttt.ttt_unroll_fast: flex attention and torch.compile "
+                       "on CUDA, chunked soft cross-entropy); same results as the plain step")
+    freeze_lm_head: bool = Field(False, description="keep lm_head at its init (the target's draft-vocab rows), "
+                                 "as speculators does by default")
+    teacher_precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32", description="precision of the target lm_head product for the soft targets on CUDA (CPU: fp32)")
 
 
 class ServeParams(_Strict):

@@ -31,21 +31,45 @@ class TargetHead:
     lm_head: torch.Tensor  # (V, H); the embedding matrix itself when the target ties them
     embed: torch.Tensor  # (V, H), frozen, shared with the draft
     tied: bool
+    draft_only: bool = False  # lm_head holds only the draft vocabulary's rows (Vd, H), in draft-id order
 
     @property
     def vocab_size(self) -> int:
         return self.lm_head.shape[0]
 
     def to(self, device) -> "TargetHead":
-        return TargetHead(self.norm_weight.to(device), self.eps, self.lm_head.to(device), self.embed.to(device), self.tied)
+        return TargetHead(self.norm_weight.to(device), self.eps, self.lm_head.to(device), self.embed.to(device), self.tied,
+                          self.draft_only)
 
-    def logits(self, last: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def draft_rows(self, t2d: torch.Tensor) -> "TargetHead":
+        """This head with lm_head cut to the draft vocabulary's rows (Vd, H): what the soft targets need once
+        top_in_vocab is known; an untied 8B target's full fp32 lm_head (2 GiB) then leaves the device."""
+        rows = self.lm_head if self.draft_only else self.lm_head[t2d]  # (Vd, H)
+        return TargetHead(self.norm_weight, self.eps, rows, self.embed, self.tied, draft_only=True)
+
+    def logits(self, last: torch.Tensor, rows: torch.Tensor | None = None, precision: str = "fp32") -> torch.Tensor:
         """h[N] (..., H) → logits (..., V) in fp32 (HF order: norm in fp32, weight, then lm_head); ``rows``
-        (R, H) replaces lm_head (e.g. only its draft-vocabulary rows) → (..., R)."""
+        (R, H) replaces lm_head (e.g. only its draft-vocabulary rows) → (..., R).
+
+        precision: of the lm_head product on CUDA — ``fp32`` (exact), ``tf32`` (fp32 in/out, 10-bit mantissa
+        products, ~8× faster on Hopper) or ``bf16`` (bf16 products, fp32 accumulation; what the engines serve
+        with). The norm and the softmax after it stay fp32. Off CUDA always fp32."""
         x = last.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., H)
         x = self.norm_weight.float() * x  # (..., H)
-        return x @ (self.lm_head if rows is None else rows).float().T  # (..., V | R)
+        w = self.lm_head if rows is None else rows  # (V | R, H)
+        if not x.is_cuda or precision == "fp32":
+            return x @ w.float().T  # (..., V | R)
+        if precision == "bf16":
+            return (x.bfloat16() @ w.bfloat16().T).float()  # (..., V | R)
+        if precision != "tf32":
+            raise ValueError(f"teacher precision {precision!r}: fp32 | tf32 | bf16")
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return x @ w.float().T  # (..., V | R)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @dataclass
@@ -57,20 +81,28 @@ class SoftTargets:
 
 @torch.no_grad()
 def soft_targets(
-    head: TargetHead, last: torch.Tensor, t2d: torch.Tensor, top_in_vocab: torch.Tensor | None = None, chunk: int = 1024
+    head: TargetHead, last: torch.Tensor, t2d: torch.Tensor, top_in_vocab: torch.Tensor | None = None,
+    chunk: int | None = None, precision: str = "fp32",
 ) -> SoftTargets:
     """last (B, T, H) → SoftTargets over the draft vocabulary, ``chunk`` tokens at a time (V is large).
 
     Finding whether the full-vocabulary top-1 is in the draft vocabulary needs the (T, V) product; when the
     caller already knows it (``top_in_vocab`` (B, T) bool, computed once per sample by train.py), only the Vd
     draft rows of lm_head are multiplied — V/Vd times less work (6× for SmolLM2 with Vd = 8192) every epoch.
+    precision: of the lm_head product (:meth:`TargetHead.logits`). chunk: tokens per product (default: 1024 on
+    CPU, ~64M logits and at least 1024 tokens on CUDA).
     """
     B, T, _ = last.shape
     flat = last.reshape(B * T, -1)  # (B·T, H)
-    rows = None if top_in_vocab is None else head.lm_head[t2d]  # (Vd, H) draft rows, in draft-id order
+    if head.draft_only and top_in_vocab is None:
+        raise ValueError("a head cut to the draft rows (draft_rows) needs top_in_vocab")
+    rows = None if top_in_vocab is None else head.lm_head if head.draft_only else head.lm_head[t2d]  # (Vd, H)
+    if chunk is None:  # CPU: 1024 as before (same products, same bits); CUDA: ~64M logits a product
+        width = head.lm_head.shape[0] if rows is None else rows.shape[0]  # V or Vd
+        chunk = max(1024, (1 << 26) // width) if last.is_cuda else 1024
     ps, inv = [], []
     for a in range(0, B * T, chunk):
-        logits = head.logits(flat[a : a + chunk], rows)  # (c, V), or (c, Vd) with rows
+        logits = head.logits(flat[a : a + chunk], rows, precision)  # (c, V), or (c, Vd) with rows
         if rows is None:
             inv.append(t2d[logits.argmax(-1)])  # (c,)
             logits = logits[:, t2d]  # (c, Vd)

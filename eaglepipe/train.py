@@ -57,7 +57,7 @@ from .errors import EaglepipeError, TrainingError
 from .features import FeatureSample, FeatureSet, SampleRef, non_finite, run_key
 from .params import TrainParams
 from .target_head import load_target_config, load_target_head, soft_targets
-from .ttt import Batch, TTTResult, TTTUnroll, tau_sim
+from .ttt import Batch, TTTResult, TTTUnroll, compile_draft, tau_sim
 from .vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 
 log = logging.getLogger(__name__)
@@ -393,7 +393,9 @@ class Run:
     def forward(self, b: Batch, module=None) -> TTTResult:
         """Soft targets and the TTT unroll of one batch (``module``: default the DDP-wrapped model)."""
         b = b.to(self.device)
-        soft = soft_targets(self.head, b.last, self.draft.t2d, b.top_in_vocab)
+        # train.teacher_precision applies to training steps; evaluation (module given) keeps the fp32 teacher
+        precision = self.p.teacher_precision if module is None else "fp32"
+        soft = soft_targets(self.head, b.last, self.draft.t2d, b.top_in_vocab, precision=precision)
         with self.autocast():
             return (module or self.model)(b, soft)
 
@@ -444,10 +446,15 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     draft.to(device)
     head = head.to(device)
     inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d)
-    unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay).to(device)
+    head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied
+    draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)
+    unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay, fast=p.fast).to(device)
+    if p.fast:
+        compile_draft(draft)
     ids = [device.index] if device.type == "cuda" else None
     model = DDP(unroll, device_ids=ids, broadcast_buffers=False) if d.world > 1 else unroll
-    opt = torch.optim.AdamW(draft.parameters(), lr=p.lr, weight_decay=p.weight_decay, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([q for q in draft.parameters() if q.requires_grad], lr=p.lr, weight_decay=p.weight_decay,
+                            betas=(0.9, 0.95), fused=p.fast and device.type == "cuda")
     lengths = [r.n_tokens for r in train]
     per_epoch = [_steps_per_epoch(epoch_rows(lengths, p.seed, e, p.batch_tokens), d, p) for e in range(p.epochs)]
     if min(per_epoch) == 0:

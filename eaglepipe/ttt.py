@@ -25,10 +25,21 @@ for each later step i = 1..j, only the key at t (its own chain's earlier drafted
     t=2  1 1 1 0 | 0 0 1 0 | 0 0 1 0
     t=3  1 1 1 1 | 0 0 0 1 | 0 0 0 1
 
-This is speculators' mask (causal ∪ diagonal) and what an engine computes. The original EAGLE-3 / SpecForge
-code additionally hides step-0 keys t-j+1..t from step j (SafeAILab/EAGLE#247 asks why); we keep the mask that
-matches serving. Only the step-0 block is a T×T product; the later blocks are diagonals, computed as dot
-products, so memory stays O(T²) for any number of steps.
+This is what an engine computes, and what speculators and SpecForge 0.2.0 compute too (SpecForge in both its
+attention backends; an earlier version of this docstring said SpecForge hides step-0 keys t-j+1..t from step j —
+it does not; SafeAILab/EAGLE#247 discusses the original EAGLE-3 code). One difference from speculators is kept:
+its step-j shift does not check sample boundaries in a packed row, so its last j positions of each sample are
+scored against the next sample's tokens; here they are not counted (``counted`` below).
+
+Two implementations of the same step (``fast``): the plain one (:class:`TTTAttention`: only the step-0 block
+is a T×T product, the later blocks are diagonals computed as dot products, so memory is O(T²) for any number of
+steps) and the fast one (:class:`FlexTTTAttention` on CUDA: flex_attention over [step 0 | … | step j] keys with
+a block-sparse mask, never a T×T tensor; :func:`soft_ce` for the loss: the soft cross-entropy and its
+gradient computed with the lm_head product, the fp32 softmax one chunk of tokens at a time, the soft targets
+read through slices instead of shifted copies). Both give the same loss and gradients: tests/test_ttt.py
+compares them on CPU in fp32 (there the fast path keeps the plain attention: flex_attention has no CPU
+backward); on the H200 under bf16 autocast they agreed to 2e-7 in the loss and within 1 % in each gradient's
+norm, bf16 rounding (benchmarks/h200/train_step_checks.json).
 
 Loss of step j: soft cross-entropy −Σ_v p_{t+1+j}(v) log q(v) over the draft vocabulary, averaged over the
 counted positions whose target top-1 is in the draft vocabulary (target_head.py), weighted step_decay**j.
@@ -109,6 +120,154 @@ class TTTAttention:
         return y
 
 
+
+BLOCK = 128  # flex_attention's block size; the fast path pads the row to a multiple of it
+
+
+def ttt_mask_mod(doc: torch.Tensor):
+    """flex_attention mask_mod of the TTT mask over keys [step 0 | step 1 | …] for doc (B, T):
+    key kv (step kv // T, position s = kv % T) is visible to query t iff (kv ≤ t and same sample) or s == t."""
+    T = doc.shape[1]
+
+    def mask_mod(b, h, q, kv):
+        s = kv % T
+        return ((kv <= q) & (doc[b, q] == doc[b, s])) | (s == q)
+
+    return mask_mod
+
+
+def extend_block_mask(bm, mask_mod, T: int):
+    """BlockMask over keys [step 0 | … | step i] → the same plus step i+1's keys, which only the diagonal sees
+    (one partial block per query block: block qb of step i+1 is key block n_kv + qb). T % BLOCK == 0."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices  # (B, 1, nq), (B, 1, nq, n_kv)
+    B, H, nq, n_kv = kv_idx.shape
+    kv_idx = torch.cat([kv_idx, kv_idx.new_zeros(B, H, nq, nq)], dim=-1)  # (B, 1, nq, n_kv + nq)
+    new = torch.arange(n_kv, n_kv + nq, dtype=kv_idx.dtype, device=kv_idx.device).view(1, 1, nq, 1)
+    kv_idx.scatter_(-1, kv_num.long().unsqueeze(-1), new.expand(B, H, nq, 1))
+    full = bm.full_kv_indices
+    if full is not None:
+        full = torch.cat([full, full.new_zeros(B, H, nq, nq)], dim=-1)
+    return BlockMask.from_kv_blocks(kv_num + 1, kv_idx, bm.full_kv_num_blocks, full, BLOCK_SIZE=BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(T, T + n_kv * BLOCK))
+
+
+_flex = None
+
+
+def flex_attention_fn():
+    """flex_attention, compiled once per process on CUDA (eager flex is a dense reference implementation)."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+    return _flex
+
+
+class FlexTTTAttention:
+    """The ``attend`` of the unrolled steps through flex_attention (same mask as :class:`TTTAttention`).
+
+    doc: (B, T) with T % BLOCK == 0. Step j's query block sees the step-0 blocks of its samples' causal past and
+    one diagonal block per later step, so the work is the step-0 attention plus j·T·BLOCK per head."""
+
+    def __init__(self, doc: torch.Tensor):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        B, T = doc.shape
+        assert T % BLOCK == 0, f"FlexTTTAttention needs T % {BLOCK} == 0, got T = {T}"
+        self.T, self.mask_mod = T, ttt_mask_mod(doc)
+        self.masks = [create_block_mask(self.mask_mod, B, None, T, T, device=doc.device, BLOCK_SIZE=BLOCK)]
+        self.ks: list[torch.Tensor] = []
+        self.vs: list[torch.Tensor] = []
+
+    @torch.compiler.disable
+    def mask(self, j: int):
+        """Block mask of step j (built on first use by extending step j-1's)."""
+        while len(self.masks) <= j:
+            self.masks.append(extend_block_mask(self.masks[-1], self.mask_mod, self.T))
+        return self.masks[j]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.ks.append(k)  # (B, nkv, T, hd)
+        self.vs.append(v)
+        j = len(self.ks) - 1
+        K = torch.cat(self.ks, dim=2) if j else k  # (B, nkv, (j+1)·T, hd)
+        V = torch.cat(self.vs, dim=2) if j else v
+        return flex_attention_fn()(q, K, V, block_mask=self.mask(j), enable_gqa=q.shape[1] != k.shape[1])
+
+
+class SoftCE(torch.autograd.Function):
+    """Σ_t w_t · (−Σ_v p_tv log softmax(x_t Wᵀ)_v) and argmax_v (x_t Wᵀ), ``chunk`` tokens at a time.
+
+    x (N, H) the normed draft output, W (Vd, H) lm_head, p (N, Vd) soft targets, w (N,) fp32 weights.
+    The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one chunk of
+    logits at a time in fp32, dz is kept in the product dtype (N, Vd), and the two gradient products are one
+    GEMM each; backward only scales them. Under autocast the products run in its dtype (as ``nn.Linear`` would).
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, p, w, chunk: int, grad: bool):
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        need_x, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        with torch.autocast(dev, enabled=False):
+            xd, Wd = x.to(dt), W.to(dt)  # (N, H), (Vd, H)
+            loss = torch.zeros((), dtype=torch.float32, device=x.device)
+            arg = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # (N,)
+            dz = torch.empty(x.shape[0], W.shape[0], dtype=dt, device=x.device) if need_x or need_w else None
+            for a in range(0, x.shape[0], chunk):
+                z = xd[a : a + chunk] @ Wd.T  # (c, Vd) in dt
+                ce, arg[a : a + chunk], g = _soft_ce_chunk(z, p[a : a + chunk], w[a : a + chunk], dz is not None)
+                loss = loss + ce
+                if dz is not None:
+                    dz[a : a + chunk] = g  # (c, Vd)
+            gx = (dz @ Wd).to(x.dtype) if need_x else None  # (N, H)
+            gW = (dz.T @ xd).float() if need_w else None  # (Vd, H)
+        ctx.save_for_backward(gx, gW)
+        ctx.w_dtype = W.dtype
+        ctx.mark_non_differentiable(arg)
+        return loss, arg
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_arg):
+        gx, gW = ctx.saved_tensors
+        return (None if gx is None else gx * grad_loss.to(gx.dtype),
+                None if gW is None else (gW * grad_loss).to(ctx.w_dtype), None, None, None, None)
+
+
+def _soft_ce_chunk_impl(z: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool):
+    """z (c, Vd) logits, p (c, Vd), w (c,) → (Σ w·ce, argmax (c,), dloss/dz (c, Vd) in z's dtype or None)."""
+    zf = z.float()
+    logq = torch.log_softmax(zf, dim=-1)  # (c, Vd) fp32
+    pf = p.float()
+    ce = -(pf * logq).sum(-1)  # (c,)
+    g = ((logq.exp() * pf.sum(-1, keepdim=True) - pf) * w[:, None]).to(z.dtype) if grad else None  # (c, Vd)
+    return (ce * w).sum(), zf.argmax(-1), g
+
+
+_soft_ce_compiled = None
+
+
+def _soft_ce_chunk(z, p, w, grad: bool):
+    global _soft_ce_compiled
+    if not z.is_cuda:
+        return _soft_ce_chunk_impl(z, p, w, grad)
+    if _soft_ce_compiled is None:  # one fused kernel per pass instead of ~8 full-size elementwise passes
+        _soft_ce_compiled = torch.compile(_soft_ce_chunk_impl, dynamic=True)
+    return _soft_ce_compiled(z, p, w, grad)
+
+
+def soft_ce(x: torch.Tensor, W: torch.Tensor, p: torch.Tensor, w: torch.Tensor, chunk: int | None = None):
+    """See :class:`SoftCE`; x (..., H), p (..., Vd), w (...) → (Σ w·ce scalar fp32, argmax (...))."""
+    lead = x.shape[:-1]
+    chunk = chunk or max(256, (1 << 25) // W.shape[0])  # ~32M logits (128 MB fp32) per chunk
+    loss, arg = SoftCE.apply(x.reshape(-1, x.shape[-1]), W, p.reshape(-1, p.shape[-1]),
+                             w.reshape(-1).float(), chunk, torch.is_grad_enabled())
+    return loss, arg.view(lead)
+
+
 @dataclass
 class StepInputs:
     """What step j reads and is scored on, per position t (all (B, T) unless noted)."""
@@ -145,12 +304,16 @@ class TTTResult:
 
 
 def ttt_unroll(
-    draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float
+    draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float,
+    fast: bool = False,
 ) -> TTTResult:
     """Run ``steps`` TTT steps. ``draft`` may be DDP-unwrapped or not (only its submodules are called).
 
-    embed: (V, H) frozen target embeddings. Returns the weighted loss and per-step counts.
+    embed: (V, H) frozen target embeddings. Returns the weighted loss and per-step counts. ``fast``: the
+    implementation of :func:`ttt_unroll_fast` (same results).
     """
+    if fast:
+        return ttt_unroll_fast(draft, embed, batch, soft, steps, decay)
     hidden = draft.project(batch.aux.to(embed.dtype))  # (B, T, H) step-0 hidden: fc(g_t)
     att = TTTAttention(batch.doc)
     loss = hidden.new_zeros(())
@@ -173,17 +336,77 @@ def ttt_unroll(
     return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
 
 
+
+def pad_to(x: torch.Tensor, T: int, fill) -> torch.Tensor:
+    """(B, t, ...) → (B, T, ...) with ``fill`` after position t (dim 1)."""
+    return x if x.shape[1] == T else torch.cat([x, x.new_full((x.shape[0], T - x.shape[1], *x.shape[2:]), fill)], 1)
+
+
+def ttt_unroll_fast(
+    draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float
+) -> TTTResult:
+    """:func:`ttt_unroll` computed faster, same results. On CUDA the row is padded to a multiple of BLOCK
+    (padding is a sample of its own, never counted) and attention runs through :class:`FlexTTTAttention`.
+    Step j's soft targets p_{t+1+j} are the slice p[:, 1+j:] against logits[:, :T-1-j]: positions t ≥ T-1-j are
+    never counted (nothing follows them in the row), so they are not computed."""
+    T = batch.input_ids.shape[1]
+    flex = batch.input_ids.is_cuda
+    Tp = -(-T // BLOCK) * BLOCK if flex else T
+    aux = batch.aux if torch.is_autocast_enabled(batch.aux.device.type) else batch.aux.to(embed.dtype)  # no fp32 copy
+    hidden = pad_to(draft.project(aux), Tp, 0.0)  # (B, Tp, H) step-0 hidden: fc(g_t)
+    ids, positions = pad_to(batch.input_ids, Tp, 0), pad_to(batch.positions, Tp, 0)  # (B, Tp)
+    doc = pad_to(batch.doc, Tp, -1 if T == Tp else int(batch.doc.max()) + 1)  # (B, Tp)
+    att = FlexTTTAttention(doc) if flex else TTTAttention(doc)
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    step_loss, correct, counted, trained = [], [], [], []
+    for j in range(steps):
+        n = 1 + j
+        emb = F.embedding(shift_left(ids, n, 0), embed)  # (B, Tp, H) token x_{t+1+j}
+        out = draft.layer(emb, hidden, positions + j, att.attend)  # (B, Tp, H) pre-norm
+        c = (shift_left(batch.doc, n, -2) == batch.doc) & shift_left(batch.loss_mask, n, False)  # (B, T) counted
+        tr = c & shift_left(soft.top_in_vocab, n, False)  # (B, T) trained
+        m = T - n  # positions t < m have a successor x_{t+1+j} in the row
+        if m > 0:
+            ce, arg = soft_ce(draft.norm(out[:, :m]), draft.lm_head.weight, soft.p[:, n:], tr[:, :m])  # (), (B, m)
+            hits = (tr[:, :m] & (arg == soft.top[:, n:])).sum()
+        else:
+            ce, hits = out.sum() * 0.0, tr.sum()
+        w = tr.sum()
+        loss_j = ce / w.clamp(min=1).float()
+        loss = loss + decay**j * loss_j
+        step_loss.append(loss_j.detach())
+        correct.append(hits)
+        counted.append(c.sum())
+        trained.append(w)
+        hidden = out
+    return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
+
+
+
+def compile_draft(draft: Eagle3Draft, whole_layer: bool = True) -> None:
+    """torch.compile the draft in place (parameter names unchanged): the decoder layer including its attention
+    (flex_attention traced into the graph) and the final norm, or without ``whole_layer`` only the norms and the
+    MLP. A no-op off CUDA. (H200, SmolLM2 shapes, 16k tokens: the whole layer was the faster of the two.)"""
+    if not torch.cuda.is_available():
+        return
+    parts = [draft.midlayer, draft.norm] if whole_layer else [
+        draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm,
+        draft.midlayer.mlp, draft.norm]
+    for m in parts:
+        m.compile()
+
+
 class TTTUnroll(torch.nn.Module):
     """The draft + frozen embeddings as one module whose forward is the unroll (what DDP wraps)."""
 
-    def __init__(self, draft: Eagle3Draft, embed: torch.Tensor, steps: int, decay: float):
+    def __init__(self, draft: Eagle3Draft, embed: torch.Tensor, steps: int, decay: float, fast: bool = False):
         super().__init__()
         self.draft = draft
         self.register_buffer("embed", embed, persistent=False)  # (V, H), frozen
-        self.steps, self.decay = steps, decay
+        self.steps, self.decay, self.fast = steps, decay, fast
 
     def forward(self, batch: Batch, soft: SoftTargets) -> TTTResult:
-        return ttt_unroll(self.draft, self.embed, batch, soft, self.steps, self.decay)
+        return ttt_unroll(self.draft, self.embed, batch, soft, self.steps, self.decay, self.fast)
 
 
 def tau_sim(acc: list[float]) -> float:

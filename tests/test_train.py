@@ -134,10 +134,11 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_two_gloo_ranks_equal_one_process_with_grad_accum_2(features, tiny_target, tmp_path):
-    p = _params(epochs=2, batch_tokens=32)
-    one = train_drafter(features, tiny_target, tmp_path / "one", _params(epochs=2, batch_tokens=32, grad_accum=2),
-                        scratch_dir=tmp_path / "s1")
+@pytest.mark.parametrize("fast", [False, True])  # the fast step's fused loss must feed DDP's gradient hooks too
+def test_two_gloo_ranks_equal_one_process_with_grad_accum_2(features, tiny_target, tmp_path, fast):
+    p = _params(epochs=2, batch_tokens=32, fast=fast)
+    one = train_drafter(features, tiny_target, tmp_path / "one",
+                        _params(epochs=2, batch_tokens=32, grad_accum=2, fast=fast), scratch_dir=tmp_path / "s1")
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     with socket.socket() as sock:
@@ -304,3 +305,19 @@ def test_stage_names_a_truncated_shard(features, tiny_target, tmp_path):
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert f"feature shard {shard}: 1000 bytes, manifest says" in line
     assert not (tmp_path / "data" / "drafter").exists()
+
+
+def test_fast_step_trains_the_same_and_lm_head_can_be_frozen(features, tiny_target, tmp_path):
+    p = _params(epochs=2)
+    plain = train_drafter(features, tiny_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa")
+    fast = train_drafter(features, tiny_target, tmp_path / "b", _params(epochs=2, fast=True), scratch_dir=tmp_path / "sb")
+    torch.testing.assert_close(torch.tensor(fast["losses"]), torch.tensor(plain["losses"]), rtol=1e-4, atol=1e-5)
+    assert fast["best"]["tau_sim"] == pytest.approx(plain["best"]["tau_sim"], abs=1e-3)
+    frozen = train_drafter(features, tiny_target, tmp_path / "c", _params(epochs=1, freeze_lm_head=True),
+                           scratch_dir=tmp_path / "sc")
+    w, init = load_file(str(tmp_path / "c" / "model.safetensors")), load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert frozen["steps"] > 0 and not torch.equal(w["fc.weight"], init["fc.weight"])
+    from eaglepipe.target_head import load_target_head
+
+    head = load_target_head(tiny_target)
+    torch.testing.assert_close(w["lm_head.weight"], head.lm_head[w["t2d"]], rtol=0, atol=0)  # never trained

@@ -195,3 +195,80 @@ def test_ttt_steps_equal_the_serving_chain(draft):
             r = draft_step(draft, embed, x[:, t + 1 + j : t + 2 + j], torch.tensor([[t + j]]), cache, hidden=h)
             h = r.hidden
             torch.testing.assert_close(h[0, 0], outs[j][0, t])
+
+
+def _packed_case(T=37, Vd=8, seed=0):
+    """A packed row of three samples with a loss mask, peaked random soft targets and some OOV top-1s."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [14, 9, T - 23]
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])[None]  # (1, T)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    b = Batch(torch.randint(0, 99, (1, T), generator=g), pos, doc, torch.rand(1, T, generator=g) > 0.2,
+              torch.randn(1, T, 3, 32, generator=g), torch.zeros(1, T, 32))
+    p = torch.softmax(3 * torch.randn(1, T, Vd, generator=g), -1)
+    soft = SoftTargets(p=p, top=p.argmax(-1), top_in_vocab=torch.rand(1, T, generator=g) > 0.1)
+    return b, soft
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_fast_path_equals_the_plain_path(draft, steps):
+    """Same loss, per-step counts and gradients (fp32, CPU) for the fast implementation of the step."""
+    embed = torch.randn(99, 32)
+    b, soft = _packed_case()
+    results, grads = [], []
+    for fast in (False, True):
+        draft.zero_grad(set_to_none=True)
+        r = ttt_unroll(draft, embed, b, soft, steps=steps, decay=0.8, fast=fast)
+        r.loss.backward()
+        results.append(r)
+        grads.append({k: v.grad.clone() for k, v in draft.named_parameters()})
+    plain, fast = results
+    torch.testing.assert_close(fast.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast.step_loss, plain.step_loss, rtol=1e-5, atol=1e-6)
+    for f in ("correct", "counted", "trained"):
+        assert getattr(fast, f).tolist() == getattr(plain, f).tolist(), f
+    assert plain.counted[0] > 0 and plain.trained[-1] > 0
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_soft_ce_chunks_equal_one_product():
+    from eaglepipe.ttt import soft_ce
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 11, 16, generator=g, requires_grad=True)
+    W = torch.randn(24, 16, generator=g, requires_grad=True)
+    p = torch.softmax(torch.randn(2, 11, 24, generator=g), -1)
+    w = (torch.rand(2, 11, generator=g) > 0.3).float()
+    loss, arg = soft_ce(x, W, p, w, chunk=4)
+    z = x @ W.T
+    want = (-(p * torch.log_softmax(z, -1)).sum(-1) * w).sum()
+    torch.testing.assert_close(loss, want)
+    assert arg.tolist() == z.argmax(-1).tolist()
+    gx, gW = torch.autograd.grad(2.5 * loss, (x, W))
+    wx, wW = torch.autograd.grad(2.5 * want, (x, W))
+    torch.testing.assert_close(gx, wx)
+    torch.testing.assert_close(gW, wW)
+    with torch.no_grad():
+        assert soft_ce(x, W, p, w, chunk=5)[0].item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_flex_attention_equals_dense_masked_attention():
+    """The flex mask (over [step 0 | … | step j] keys, block-sparse, extended by one diagonal per step) against
+    the dense TTT mask; forward only (flex_attention has no CPU backward; the GPU benchmark checks gradients)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from eaglepipe.ttt import BLOCK, FlexTTTAttention
+
+    torch.manual_seed(0)
+    T = 2 * BLOCK
+    doc = torch.cat([torch.zeros(100), torch.ones(120), torch.full((T - 220,), 2)]).long()
+    att = FlexTTTAttention(doc[None])
+    ks, vs = [], []
+    for step in range(3):
+        q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+        ks.append(k)
+        vs.append(v)
+        got = att.attend(q, k, v)
+        K, V = repeat_kv(torch.cat(ks, 2), 2), repeat_kv(torch.cat(vs, 2), 2)
+        want = F.scaled_dot_product_attention(q, K, V, attn_mask=ttt_mask(doc, step))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,420 @@
+"""One TTT training step (soft targets, unroll forward + backward, clipping, AdamW), eaglepipe's against the peer
+trainers', on identical random inputs in one process: one packed row of ``--tokens`` tokens (seeded sample
+lengths), aux states / h[N] in bf16, bf16 autocast with fp32 master weights for every implementation.
+
+    python benchmarks/train_step.py                      # shapes A B, TTT 3 7, every implementation found
+    python benchmarks/train_step.py --shapes A --impls eaglepipe-plain eaglepipe-fast --iters 4
+
+Implementations (``impl`` in the JSON):
+- ``eaglepipe-plain``: ttt.ttt_unroll as train.py runs it without ``train.fast`` (fp32 teacher product).
+- ``eaglepipe-fast``: ``train.fast`` (ttt.ttt_unroll_fast + compile_draft + fused AdamW) with
+  ``train.teacher_precision: tf32``.
+- ``eaglepipe-fast-frozen``: the same with ``train.freeze_lm_head`` (speculators' default set-up).
+- ``eaglepipe-fast-frozen-bf16t``: the same with a bf16 teacher product (what speculators computes).
+- ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
+  on the H200).
+- ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,
+  flex attention, its fused Triton KL loss kept out of the compiled graph), lm_head frozen (its default) / trained.
+Peers are imported only here (``--peer-path``: where their wheels were installed); a missing peer is skipped.
+
+Figures: tokens_per_s = tokens / mean step time over ``--iters`` steps after ``--warmup`` steps;
+peak_gib = torch.cuda.max_memory_allocated over set-up and steps, plus the shared embeddings eaglepipe holds
+(speculators copies them into its model, so they are counted there); tflops = the step's matmul FLOPs (draft
+forward and backward: qkv/o/MLP/lm_head per TTT step, fc once, weight gradients only for trained weights,
+input gradients where needed, attention QKᵀ and PV over the visible keys, and the teacher's h[N]·lm_headᵀ
+over the draft vocabulary) / step time. Rows go to ``--out`` (rows of the same impl/shape/ttt are replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eaglepipe.draft import DraftConfig, Eagle3Draft  # noqa: E402
+from eaglepipe.target_head import TargetHead, soft_targets  # noqa: E402
+from eaglepipe.ttt import Batch, TTTUnroll, compile_draft, ttt_unroll_fast  # noqa: E402
+
+
+@dataclass
+class Shape:
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    draft_vocab: int
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SHAPES = {
+    "A": Shape("A", 576, 9, 3, 1536, 49152, 8192, 100000.0),  # SmolLM2-135M target
+    "B": Shape("B", 4096, 32, 8, 14336, 128256, 32000, 500000.0),  # Llama-3.1-8B target
+}
+
+
+def doc_lengths(tokens: int, seed: int) -> list[int]:
+    """Sample lengths of one packed row: uniform in [256, 4096], the last one cut to fill the row."""
+    g = torch.Generator().manual_seed(seed)
+    out, n = [], 0
+    while n < tokens:
+        L = min(int(torch.randint(256, 4097, (1,), generator=g)), tokens - n)
+        out.append(L)
+        n += L
+    return out
+
+
+def make_inputs(s: Shape, tokens: int, seed: int, device) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lens = doc_lengths(tokens, seed)
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])[None]  # (1, T)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]  # (1, T)
+    t2d = torch.zeros(s.vocab, dtype=torch.bool)
+    t2d[torch.randperm(s.vocab, generator=g)[: s.draft_vocab]] = True
+    return dict(
+        lens=lens,
+        input_ids=torch.randint(0, s.vocab, (1, tokens), generator=g).to(device),
+        positions=pos.to(device),
+        doc=doc.to(device),
+        loss_mask=(torch.rand(1, tokens, generator=g) < 0.7).to(device),
+        aux=torch.randn(1, tokens, 3, s.hidden, generator=g).to(device, torch.bfloat16),
+        last=(4 * torch.randn(1, tokens, s.hidden, generator=g)).to(device, torch.bfloat16),
+        top_in_vocab=(torch.rand(1, tokens, generator=g) < 0.9).to(device),
+        t2d=t2d.to(device),
+        d2t=(t2d.nonzero().flatten() - torch.arange(s.draft_vocab)).to(device),
+        embed=(0.02 * torch.randn(s.vocab, s.hidden, generator=g)).to(device),
+        lm_head=(0.02 * torch.randn(s.vocab, s.hidden, generator=g)).to(device),
+        norm=torch.ones(s.hidden, device=device),
+    )
+
+
+def matmul_flops(s: Shape, lens: list[int], ttt: int, lm_head_trained: bool) -> float:
+    """Matmul FLOPs of one training step (see the module docstring)."""
+    T, H, hd = sum(lens), s.hidden, s.head_dim
+    per_tok = {  # forward FLOPs per token
+        "qkv": 2 * 2 * H * (s.heads + 2 * s.kv_heads) * hd,
+        "o": 2 * s.heads * hd * H,
+        "mlp": 2 * 3 * H * s.intermediate,
+        "lm_head": 2 * H * s.draft_vocab,
+    }
+    layer = 3 * (per_tok["qkv"] + per_tok["o"] + per_tok["mlp"])  # fwd + input grad + weight grad
+    head = (3 if lm_head_trained else 2) * per_tok["lm_head"]
+    fc = 2 * 2 * 3 * H * H  # fwd + weight grad (aux needs no gradient)
+    teacher = 2 * H * s.draft_vocab
+    causal = sum(n * (n + 1) / 2 for n in lens)  # step-0 keys visible, summed over queries
+    attn = 0.0
+    for j in range(ttt):  # QKᵀ and PV: 4·hd·nh FLOPs per visible key, ×3 with backward
+        attn += 3 * 4 * hd * s.heads * (causal + j * T)
+    return T * (ttt * (layer + head) + fc + teacher) + attn
+
+
+# ---------------------------------------------------------------- eaglepipe
+
+
+def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32", frozen: bool = False,
+                   whole_unroll: bool = False):
+    cfg = DraftConfig(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 1e-5, s.rope_theta, 131072,
+                      s.hidden, 3, s.draft_vocab, s.vocab)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    draft.set_vocab(x["d2t"].cpu(), x["t2d"].cpu())
+    draft = draft.cuda()
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(x["lm_head"][x["t2d"]])
+    draft.lm_head.weight.requires_grad_(not frozen)
+    head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False).draft_rows(x["t2d"])  # as train.py
+    unroll = TTTUnroll(draft, head.embed, ttt, 0.8, fast=fast)
+    if whole_unroll:  # experimental: the whole unroll as one compiled function
+        fn = torch.compile(ttt_unroll_fast)
+        unroll = lambda b, soft: fn(draft, head.embed, b, soft, ttt, 0.8)  # noqa: E731
+    elif fast:
+        compile_draft(draft)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=fast)
+    batch = Batch(x["input_ids"], x["positions"], x["doc"], x["loss_mask"], x["aux"], x["last"], x["top_in_vocab"])
+
+    def step():
+        soft = soft_targets(head, batch.last, draft.t2d, batch.top_in_vocab, precision=teacher)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            r = unroll(batch, soft)
+        r.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return r.loss.detach()
+
+    return step, not frozen, x["embed"].numel() * x["embed"].element_size()  # the shared embeddings it holds
+
+
+# ---------------------------------------------------------------- speculators 0.9.0
+
+
+def install_stubs() -> None:
+    """speculators imports openai, datasets and hs_connectors in modules its draft step never runs."""
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    class Stub(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (), {})
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        roots = ("openai", "datasets", "hs_connectors")
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in self.roots:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            m = Stub(spec.name)
+            m.__path__ = []
+            return m
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, Finder())
+
+
+def speculators_impl(s: Shape, x: dict, ttt: int, train_lm_head: bool = False, attn: str = "simple_flex_attention"):
+    from transformers import LlamaConfig
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses.utils import kl_div_loss
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    tl = LlamaConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_attention_heads=s.heads,
+                     num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=s.vocab, num_hidden_layers=1,
+                     rms_norm_eps=1e-5, rope_theta=s.rope_theta, max_position_embeddings=131072)
+    tl._attn_implementation = attn
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=s.draft_vocab, norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])),
+    )
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(cfg)
+    model.load_vocab_mappings(x["t2d"].cpu(), x["d2t"].cpu())
+    model = model.cuda() if x["aux"].is_cuda else model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.isnan().any():
+                p.normal_(0, 0.02)
+        model.embed_tokens.weight.copy_(x["embed"])
+        model.lm_head.weight.copy_(x["lm_head"][x["t2d"]])
+        model.verifier_lm_head.weight.copy_(x["lm_head"][x["t2d"]])
+        model.verifier_norm.weight.copy_(x["norm"])
+    model.lm_head.weight.requires_grad_(train_lm_head)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    loss_config = {"kl_div": (torch.compiler.disable(kl_div_loss) if x["aux"].is_cuda else _eager_kl(), 1.0)}
+    dev = x["aux"].device.type
+    hs = x["aux"].flatten(-2)  # (1, T, 3H) bf16, as its data loader gives
+    pos = x["positions"] + 1  # its positions start at 1 (1 + arange)
+
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            _, loss, _ = model(hidden_states=hs if dev == "cuda" else hs.float(), input_ids=x["input_ids"],
+                               document_ids=x["doc"], loss_mask=x["loss_mask"], position_ids=pos,
+                               verifier_last_hidden_states=x["last"] if dev == "cuda" else x["last"].float(),
+                               ttt_steps=ttt, ttt_step_loss_decay=0.8, loss_config=loss_config)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, train_lm_head, 0  # its embeddings and teacher rows are its own copies (counted)
+
+
+def _eager_kl():
+    from speculators.losses.utils import resolve_loss_config
+
+    return resolve_loss_config("kl_div", "eager")["kl_div"][0]
+
+
+# ---------------------------------------------------------------- runner
+
+IMPLS = {
+    "eaglepipe-plain": lambda s, x, t: eaglepipe_impl(s, x, t, fast=False),
+    "eaglepipe-fast": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32"),
+    "eaglepipe-fast-frozen": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", frozen=True),
+    "eaglepipe-fast-frozen-bf16t": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="bf16", frozen=True),
+    "eaglepipe-fast-unroll-frozen": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", frozen=True,
+                                                                   whole_unroll=True),
+    "speculators": lambda s, x, t: speculators_impl(s, x, t),
+    "speculators-lmhead": lambda s, x, t: speculators_impl(s, x, t, train_lm_head=True),
+}
+
+
+def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int) -> dict:
+    torch._dynamo.reset()  # each implementation compiles afresh (no cache-size limit carried over)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.time()
+    step, lm_trained, held = IMPLS[impl](s, x, ttt)
+    for _ in range(warmup):
+        loss = step()
+    torch.cuda.synchronize()
+    t_warm = time.time() - t0
+    t0 = time.time()
+    for _ in range(iters):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.time() - t0) / iters
+    T = x["input_ids"].shape[1]
+    row = {
+        "impl": impl, "shape": s.name, "ttt": ttt,
+        "tokens_per_s": round(T / dt),
+        "peak_gib": round((torch.cuda.max_memory_allocated() - base + held) / 2**30, 2),
+        "tflops": round(matmul_flops(s, x["lens"], ttt, lm_trained) / dt / 1e12, 1),
+        "step_ms": round(1000 * dt, 1), "warmup_s": round(t_warm, 1), "loss": round(float(loss), 4),
+    }
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def parity_check(s: Shape, tokens: int, ttt: int) -> dict:
+    """Plain vs fast step on CUDA (bf16 autocast): loss and gradient relative differences, same weights/inputs."""
+    x = make_inputs(s, tokens, 1, "cuda")
+    out = {}
+    for fast in (False, True):
+        cfg = DraftConfig(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 1e-5, s.rope_theta, 131072,
+                          s.hidden, 3, s.draft_vocab, s.vocab)
+        torch.manual_seed(0)
+        draft = Eagle3Draft(cfg)
+        draft.set_vocab(x["d2t"].cpu(), x["t2d"].cpu())
+        draft = draft.cuda()
+        head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False)
+        b = Batch(x["input_ids"], x["positions"], x["doc"], x["loss_mask"], x["aux"], x["last"], x["top_in_vocab"])
+        soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            r = TTTUnroll(draft, head.embed, ttt, 0.8, fast=fast)(b, soft)
+        r.loss.backward()
+        out[fast] = (r, {k: p.grad.float() for k, p in draft.named_parameters()})
+    (rp, gp), (rf, gf) = out[False], out[True]
+    rel = {k: float((gf[k] - gp[k]).norm() / gp[k].norm().clamp(min=1e-30)) for k in gp}
+    return {"shape": s.name, "tokens": tokens, "ttt": ttt, "loss_plain": float(rp.loss), "loss_fast": float(rf.loss),
+            "loss_rel_diff": abs(float(rf.loss) - float(rp.loss)) / abs(float(rp.loss)),
+            "counts_equal": rp.counted.tolist() == rf.counted.tolist() and rp.trained.tolist() == rf.trained.tolist(),
+            "correct_plain": rp.correct.tolist(), "correct_fast": rf.correct.tolist(),
+            "grad_rel_diff_max": max(rel.values()), "grad_rel_diff": rel}
+
+
+def teacher_check(s: Shape, tokens: int) -> dict:
+    """Soft targets with a tf32 / bf16 teacher product against fp32 (random h[N]: a lead, not a τ measurement)."""
+    x = make_inputs(s, tokens, 2, "cuda")
+    head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False)
+    ref = soft_targets(head, x["last"], x["t2d"], x["top_in_vocab"], precision="fp32")
+    out = {"shape": s.name, "tokens": tokens}
+    for prec in ("tf32", "bf16"):
+        st = soft_targets(head, x["last"], x["t2d"], x["top_in_vocab"], precision=prec)
+        out[prec] = {"max_abs_dp": float((st.p - ref.p).abs().max()),
+                     "top1_agree": float((st.top == ref.top).float().mean()),
+                     "kl": float((ref.p * (ref.p.clamp_min(1e-30).log() - st.p.clamp_min(1e-30).log())).sum(-1).mean())}
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'impl':24} {'shape':5} {'ttt':>3} {'tok/s':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'%peak':>6} {'ms':>8}")
+    for r in rows:
+        print(f"{r['impl']:24} {r['shape']:5} {r['ttt']:>3} {r['tokens_per_s']:>9} {r['peak_gib']:>9} "
+              f"{r['tflops']:>8} {100 * r['tflops'] / 790:>5.1f}% {r.get('step_ms', 0):>8}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["A", "B"])
+    ap.add_argument("--ttt", nargs="+", type=int, default=[3, 7])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS))
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--checks", action="store_true", help="also the plain-vs-fast and teacher-precision checks")
+    ap.add_argument("--peer-path", default=None, help="folder the peers' wheels were installed into")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "h200" / "train_step.json"))
+    a = ap.parse_args()
+    if a.peer_path:  # after the image's own packages: only what is missing there comes from the wheels
+        sys.path.append(a.peer_path)
+    install_stubs()
+    torch._dynamo.config.cache_size_limit = 64
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 teacher is true fp32 unless asked
+    out = Path(a.out)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    device = torch.cuda.get_device_name()
+    print("device:", device, "torch", torch.__version__, flush=True)
+    checks = []
+    if a.checks:
+        for c in (lambda: parity_check(SHAPES["A"], 4096, 3), lambda: parity_check(SHAPES["B"], 4096, 3),
+                  lambda: teacher_check(SHAPES["B"], 4096)):
+            try:
+                checks.append(c())
+                print(json.dumps({k: v for k, v in checks[-1].items() if k != "grad_rel_diff"}), flush=True)
+            except Exception:
+                traceback.print_exc()
+        (out.parent / "train_step_checks.json").write_text(json.dumps(checks, indent=1) + "\n")
+        gc.collect()
+        torch.cuda.empty_cache()
+    new = []
+    for sname in a.shapes:
+        s = SHAPES[sname]
+        x = make_inputs(s, a.tokens, 0, "cuda")
+        for ttt in a.ttt:
+            for impl in a.impls:
+                try:
+                    r = measure(impl, s, x, ttt, a.warmup, a.iters)
+                except Exception as e:  # a peer that fails is reported, the others still run
+                    traceback.print_exc()
+                    print(f"FAILED {impl} {sname} ttt={ttt}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
+                r["device"], r["measured"] = device, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                new.append(r)
+                print_table([r])
+                sys.stdout.flush()
+                write_rows(out, rows, new)
+        del x
+        gc.collect()
+        torch.cuda.empty_cache()
+    print()
+    print_table(write_rows(out, rows, new))
+
+
+def write_rows(out: Path, old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` rows without those that ``new`` measured again, plus ``new``; written to ``out``."""
+    keys = {(r["impl"], r["shape"], r["ttt"]) for r in new}
+    rows = sorted([r for r in old if (r["impl"], r["shape"], r["ttt"]) not in keys] + new,
+                  key=lambda r: (r["shape"], r["ttt"], r["impl"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
