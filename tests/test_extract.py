@@ -97,6 +97,7 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, tiny_target):
     assert not scratch.exists() or not any(scratch.iterdir())
     a, b = json.loads((ref / "features/manifest.json").read_text()), json.loads((cwd / "features/manifest.json").read_text())
     assert a["samples"] == b["samples"] and a["run_key"] == b["run_key"]
+    assert _sha256_tree(ref / "features") == _sha256_tree(cwd / "features")  # killed + resumed: the same bytes
     for shard in a["shards"]:
         ta, tb = load_file(ref / "features" / shard["file"]), load_file(cwd / "features" / shard["file"])
         for k in ta:
