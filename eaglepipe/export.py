@@ -28,6 +28,7 @@ from . import convention
 from .draft import DraftConfig
 from .errors import ConventionError, ExportError
 from .features import atomic_write_json
+from .rope import engine_fields as rope_fields
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,12 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
 
 
 def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
-    """The llama-style ``config.json`` of the draft (before the engine's aux ids are added)."""
+    """The llama-style ``config.json`` of the draft (before the engine's aux ids are added).
+
+    RoPE: the draft's (= the target's) ``rope_parameters`` plus ``rope_theta`` / ``rope_scaling``
+    (:func:`eaglepipe.rope.engine_fields`): vllm 0.32 ``models/llama.py _init_rotary_emb`` and sglang 0.5.23
+    ``models/llama.py LlamaDecoderLayer`` read ``config.rope_parameters``.
+    """
     return {
         "architectures": [ARCH],
         "model_type": "llama",
@@ -101,8 +107,7 @@ def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
         "head_dim": cfg.head_dim,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_fields(cfg.rope),  # the target's RoPE, in each spelling the engines read (rope.py)
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
