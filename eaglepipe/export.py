@@ -29,6 +29,8 @@ from .draft import DraftConfig
 from .errors import ConventionError, ExportError
 from .features import atomic_write_json
 from .rope import engine_fields as rope_fields
+from .serving import require_servable
+from .target import read_info
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +143,8 @@ def export_draft(
     target_cfg = json.loads((target_dir / "config.json").read_text())
     meta = json.loads((drafter_dir / "config.json").read_text())
     cfg = DraftConfig(**meta["draft"])
-    family = convention.family_of(target_cfg)
-    n_layers = convention.n_layers_of(target_cfg)
+    info = read_info(target_dir, hash_weights=False)  # the one place the family comes from
+    family, n_layers = info.family, info.n_layers
     if cfg.n_aux != len(layers):
         raise ExportError(f"the draft's fc reads {cfg.n_aux} aux states but layers = {layers}")
     convention.check_fc_width(cfg.n_aux * cfg.target_hidden_size, len(layers), cfg.target_hidden_size)
@@ -177,3 +179,29 @@ def export_draft(
     log.info("exported %s draft for %s: ids %s", family, engine,
              {e: v["ids"] for e, v in config["eaglepipe"]["engines"].items()})
     return config
+
+
+def export_all(drafter_dir: Path, target_dir: Path, out_dir: Path, layers: list[int], framework: str) -> dict:
+    """One folder per serving engine that can feed ``layers`` (``out_dir/<engine>``), and ``engines.json``.
+
+    ``engines.json``: per engine ``{"exported": bool, "version", "ids"}``, plus ``reason`` and ``nearest``
+    (layer lists it could serve) for an engine whose id rule cannot express ``layers``; its folder is absent.
+    Raises ParamsError (exit 2) when the ``framework`` engine itself cannot feed ``layers``; ExportError /
+    ConventionError as :func:`export_draft`.
+    """
+    drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
+    info = read_info(target_dir, hash_weights=False)
+    plans = require_servable(framework, info.family, info.n_layers, layers)
+    verdict = {}
+    for engine, plan in plans.items():
+        if plan.ids is None:
+            log.warning("no %s folder: %s", engine, plan.message(layers, info.n_layers))
+            shutil.rmtree(out_dir / engine, ignore_errors=True)
+            verdict[engine] = {"exported": False, **plan.to_json()}
+            continue
+        export_draft(drafter_dir, target_dir, engine, out_dir / engine, layers, plan.version)
+        verdict[engine] = {"exported": True, **plan.to_json()}
+    atomic_write_json(out_dir / "engines.json", {"layers": list(layers), "family": info.family,
+                                                 "n_layers": info.n_layers, "framework": framework,
+                                                 "engines": verdict})
+    return verdict

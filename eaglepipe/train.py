@@ -243,9 +243,9 @@ def train_drafter(
             f"features {features_dir}: aux width {samples[0].aux.shape[-1]} != target hidden_size "
             f"{cfg.target_hidden_size} of {target_dir}; the features were captured from another target"
         )
-    if cfg.n_aux != 3:
-        log.warning("%d aux layers: SGLang and vLLM (LlamaForCausalLMEagle3) build fc for exactly 3·Ht inputs; "
-                    "this draft will train but not load in those engines", cfg.n_aux)
+    if cfg.n_aux != 3:  # both engines size fc from num_aux_hidden_states, which export writes (convention.py)
+        log.info("%d aux layers: fc reads %d·Ht; export writes num_aux_hidden_states = %d, from which SGLang's and "
+                 "vLLM's llama_eagle3.py size fc", cfg.n_aux, cfg.n_aux, cfg.n_aux)
     if len(samples) < 2:
         raise EaglepipeError(f"features {features_dir}: {len(samples)} samples; need ≥ 2 (train + held-out)")
 

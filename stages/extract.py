@@ -6,6 +6,7 @@ METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch
 """
 
 import hashlib
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 from eaglepipe.extract import extract
 from eaglepipe.params import check_layers_against_target
 from eaglepipe.prompts import read_jsonl
+from eaglepipe.serving import require_servable
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target import read_info
 
@@ -22,6 +24,11 @@ def main():
     target_dir, prompts_dir, out_dir, metrics = map(Path, sys.argv[1:5])
     info = read_info(target_dir)
     check_layers_against_target(p.layers, info.n_layers)
+    # Before any compute: a layer list the serving engine cannot express stops here (exit 2); one the other
+    # engine cannot express is logged with the nearest lists that work (export then writes no folder for it).
+    for plan in require_servable(p.framework, info.family, info.n_layers, p.layers).values():
+        if plan.ids is None:
+            logging.getLogger("extract").warning("%s", plan.message(p.layers, info.n_layers))
     train_file = prompts_dir / "train.jsonl"
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
     scratch = out_dir.parent / ".scratch" / out_dir.name
