@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
-
 from .errors import ParamsError
 
 # rope_type -> why it is accepted (the engine functions that implement it for a Llama draft).
@@ -106,7 +104,7 @@ def rope_parameters(target_cfg: dict) -> dict:
 
 def inv_freq_and_scaling(
     rope: dict, head_dim: int, hidden_size: int, num_attention_heads: int, max_position_embeddings: int
-) -> tuple[torch.Tensor, float]:
+) -> tuple["torch.Tensor", float]:  # noqa: F821
     """transformers' inverse frequencies and attention scaling for ``rope`` (from :func:`rope_parameters`).
 
     Returns:
@@ -115,6 +113,7 @@ def inv_freq_and_scaling(
     Raises:
         RopeError: ``rope["rope_type"]`` outside :data:`SUPPORTED`.
     """
+    import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

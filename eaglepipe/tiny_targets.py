@@ -19,7 +19,7 @@ CHATML = (
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1000000.0}
-_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
              num_key_value_heads=1, vocab_size=99, max_position_embeddings=512, tie_word_embeddings=False,
              bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None,
@@ -37,7 +37,7 @@ FAMILIES: dict[str, tuple[str, dict, str | None, str]] = {
     "qwen3": ("Qwen3Config", dict(head_dim=32), None, "default"),
     "mistral": ("MistralConfig", dict(head_dim=32, sliding_window=None), None, "default"),
     "gpt_oss": ("GptOssConfig", dict(head_dim=32, num_local_experts=2, num_experts_per_tok=1, sliding_window=16,
-                                     layer_types=["sliding_attention", "full_attention"] * 2,
+                                     layer_types=["sliding_attention", "full_attention"] * 3,
                                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                       "original_max_position_embeddings": 128}), None, "yarn"),

@@ -35,7 +35,7 @@ def test_kimi_k2_loads_as_deepseek_v3(kimi):
     saved = json.loads((out / "config.json").read_text())
     assert saved["model_type"] == "deepseek_v3" and saved["architectures"] == ["DeepseekV3ForCausalLM"]
     assert (info.model_type, info.family, info.source_model_type) == ("deepseek_v3", "deepseek_v3", "kimi_k2")
-    assert (info.n_layers, info.hidden_size, info.vocab_size) == (4, 64, 99)
+    assert (info.n_layers, info.hidden_size, info.vocab_size) == (6, 64, 99)
     assert info.rope["rope_type"] == "yarn" and info.rope["mscale_all_dim"] == 1.0
     a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)  # same weights, re-saved
@@ -147,3 +147,19 @@ def test_export_writes_the_targets_llama3_rope(tmp_path):
         assert c["rope_parameters"] == LLAMA3_ROPE and c["rope_theta"] == 500000.0
         assert c["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
         assert c["head_dim"] == 32 and c["max_position_embeddings"] == 512
+
+
+def test_inspect_flags_a_draft_whose_rope_is_not_the_targets(tmp_path):
+    from eaglepipe.inspect import inspect_draft
+
+    materialize_target(str(build("llama-llama3", tmp_path / "src")), tmp_path / "target")
+    cfg = DraftConfig.from_target(json.loads((tmp_path / "target" / "config.json").read_text()), 3, 99)
+    save_draft(Eagle3Draft(cfg), tmp_path / "drafter")
+    export_all(tmp_path / "drafter", tmp_path / "target", tmp_path / "export", [1, 2, 3], "vllm")
+    assert inspect_draft(tmp_path / "export" / "vllm", tmp_path / "target").ok
+    path = tmp_path / "export" / "vllm" / "config.json"
+    c = json.loads(path.read_text())
+    c.update(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_scaling=None)
+    path.write_text(json.dumps(c))
+    rep = inspect_draft(tmp_path / "export" / "vllm", tmp_path / "target")
+    assert not rep.ok and any("differs from the target's" in p and "'llama3'" in p for p in rep.problems)
