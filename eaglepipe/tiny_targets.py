@@ -22,7 +22,7 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddin
 _BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
              num_key_value_heads=1, vocab_size=99, max_position_embeddings=512, tie_word_embeddings=False,
              bos_token_id=1, eos_token_id=2, pad_token_id=0)
-_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None,
+_MLA = dict(num_key_value_heads=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None,
             n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, first_k_dense_replace=1,
             n_group=1, topk_group=1, topk_method="noaux_tc", n_shared_experts=1,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
