@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,8 @@ LAYERS = [2, 3, 4]
 ENGINES = ("hf", "vllm", "sglang")
 MIN_COSINE = 0.999
 TIMEOUT_S = 420
-WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel (issue 9 GPU follow-up)",
+WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel, whose flashinfer/fa3/triton attention backends "
+                         "implement MLA and attention sinks (a GPU follow-up of issue 9; the lent H200 has no SGLang)",
               "vllm": "a CUDA machine with vLLM (the lent H200 runs vLLM 0.26)"}
 WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
 
@@ -102,10 +104,23 @@ def _row(summary: dict, engine: str, status: str, reason: str = "", **kw) -> dic
             "ids": kw.get("ids"), "seconds": kw.get("seconds")}
 
 
-def _last_error(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    errs = [ln for ln in lines if "Error" in ln or "error" in ln or "Exception" in ln]
-    return (errs[-1] if errs else lines[-1] if lines else "no output")[:400]
+_ERR = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?(\w+(?:Error|Exception)): (.+)$")
+_FILE = re.compile(r'File ".*?site-packages/([^"]+)", line (\d+), in (\w+)')
+
+
+def _root_cause(text: str) -> str:
+    """The first exception raised inside the engine (not eaglepipe's wrapper), with the engine source line."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    where = ""
+    for ln in lines:
+        f = _FILE.search(ln)
+        if f:
+            where = f"{f.group(1)}:{f.group(2)} {f.group(3)}"
+        m = _ERR.match(ln)
+        if m and m.group(1) not in ("SGLangError", "EaglepipeError") and "initialization failed" not in ln:
+            return f"{m.group(1)}: {m.group(2)[:300]} ({where})"
+    tail = [ln for ln in lines if ln]
+    return (tail[-1] if tail else "no output")[:400]
 
 
 def run_engine(summary: dict, engine: str, work: Path) -> dict:
@@ -123,8 +138,8 @@ def run_engine(summary: dict, engine: str, work: Path) -> dict:
     secs = round(time.perf_counter() - t0, 1)
     out = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not out:
-        why = _last_error(r.stderr or r.stdout)
-        return _row(summary, engine, "not_run", f"{engine}'s CPU path failed on this target: {why}; would run on "
+        why = _root_cause(r.stderr + "\n" + r.stdout)
+        return _row(summary, engine, "not_run", f"{engine}'s CPU path cannot run this target here: {why}; would run on "
                     f"{WHERE_ELSE.get(engine, 'another machine')}", seconds=secs)
     got = json.loads(out[-1][len("RESULT "):])
     status = "verified" if got["ok"] else "failed"

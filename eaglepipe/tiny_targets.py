@@ -24,7 +24,7 @@ _BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_att
              bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _MLA = dict(num_key_value_heads=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None,
             n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, first_k_dense_replace=1,
-            n_group=1, topk_group=1, topk_method="noaux_tc", n_shared_experts=1,
+            n_group=1, topk_group=1, topk_method="noaux_tc", n_shared_experts=1, moe_layer_freq=1, scoring_func="sigmoid", ep_size=1,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 128,
                              "rope_theta": 10000.0})
