@@ -163,3 +163,32 @@ def test_inspect_flags_a_draft_whose_rope_is_not_the_targets(tmp_path):
     path.write_text(json.dumps(c))
     rep = inspect_draft(tmp_path / "export" / "vllm", tmp_path / "target")
     assert not rep.ok and any("differs from the target's" in p and "'llama3'" in p for p in rep.problems)
+
+
+def test_extract_uses_the_targets_family_on_kimi_k2(kimi, tmp_path):
+    from eaglepipe.extract import extract
+    from eaglepipe.features import FeatureSet
+    from eaglepipe.params import ExtractParams
+
+    _, target, info = kimi
+    convs = [{"id": f"c{i}", "messages": [{"role": "user", "content": "hi there " * (i + 1)},
+                                          {"role": "assistant", "content": "ok then"}]} for i in range(2)]
+    p = ExtractParams(engine="hf", regenerate=False, batch_size=2, max_length=64, dtype="float32", shard_size=2)
+    manifest, stats = extract(convs, target, info, [2, 3, 4], p, tmp_path / "f", tmp_path / "s", "x")
+    assert manifest["target"]["family"] == "deepseek_v3" and manifest["target"]["model_type"] == "deepseek_v3"
+    assert manifest["capture_ids"] == [2, 3, 4, 6] and stats.samples == 2
+    assert FeatureSet(tmp_path / "f").layers == [2, 3, 4]
+
+
+def test_readme_support_matrix_is_rendered_from_the_json():
+    r = subprocess.run([sys.executable, str(REPO / "scripts/render_support_matrix.py"), "--check"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((REPO / "metrics/support_matrix.json").read_text())
+    statuses = {r["status"] for r in doc["rows"]}
+    assert statuses <= {"verified", "refused", "not_run"}
+    assert all(r["reason"] for r in doc["rows"] if r["status"] != "verified")
+    vllm = {r["target"]: r for r in doc["rows"] if r["engine"] == "vllm"}
+    assert sorted(vllm) == sorted(["llama", "llama-llama3", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v3",
+                                   "kimi_k2", "qwen2-yarn"])
+    assert all(r["status"] == "verified" and r["offset"] == 0 and r["min_cosine"] >= 0.999 for r in vllm.values())
