@@ -136,7 +136,8 @@ def export_draft(
         layers: the boundaries the draft was trained on (h[k], ascending).
         version: the engine version the ids are written for (None = installed, else the translator's known).
     Raises:
-        ExportError: tensors missing/unexpected/misshapen, or ids that do not round-trip to ``layers``.
+        ExportError: tensors missing/unexpected/misshapen, ids that do not round-trip to ``layers``, or a
+            draft RoPE that is not the target's.
         ConventionError: the layers cannot be expressed for this engine / family / version.
     """
     drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
@@ -145,6 +146,9 @@ def export_draft(
     cfg = DraftConfig(**meta["draft"])
     info = read_info(target_dir, hash_weights=False)  # the one place the family comes from
     family, n_layers = info.family, info.n_layers
+    if cfg.rope != info.rope:
+        raise ExportError(f"the draft was trained with RoPE {cfg.rope} but the target's is {info.rope}: served "
+                          f"with another RoPE than it was trained with it would accept little, silently; retrain")
     if cfg.n_aux != len(layers):
         raise ExportError(f"the draft's fc reads {cfg.n_aux} aux states but layers = {layers}")
     convention.check_fc_width(cfg.n_aux * cfg.target_hidden_size, len(layers), cfg.target_hidden_size)

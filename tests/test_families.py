@@ -192,3 +192,13 @@ def test_readme_support_matrix_is_rendered_from_the_json():
     assert sorted(vllm) == sorted(["llama", "llama-llama3", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v3",
                                    "kimi_k2", "qwen2-yarn"])
     assert all(r["status"] == "verified" and r["offset"] == 0 and r["min_cosine"] >= 0.999 for r in vllm.values())
+
+
+def test_export_refuses_a_draft_trained_with_another_rope(drafter, tmp_path):
+    from eaglepipe.errors import ExportError
+    from eaglepipe.export import export_draft
+
+    target = materialize_target(str(build("llama-llama3", tmp_path / "src")), tmp_path / "target")
+    assert target.rope["rope_type"] == "llama3"
+    with pytest.raises(ExportError, match="trained with RoPE .*'default'.* target's is .*'llama3'"):
+        export_draft(drafter, tmp_path / "target", "vllm", tmp_path / "out", [1, 2, 3], "0.32.0")
