@@ -173,6 +173,11 @@ def export_draft(
             raise ExportError(f"{eng} {ver} would feed h{back} for this config, but the draft was trained on "
                               f"h{list(layers)}; refusing to export")
     cast = {n: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t) for n, t in tensors.items()}
+    if engine == "vllm" and cfg.draft_vocab_size == cfg.vocab_size:
+        # vllm 0.32 model_executor/models/llama_eagle3.py creates draft_id_to_target_id (where load_weights puts
+        # d2t) only when draft_vocab_size != vocab_size, and refuses the tensor otherwise; the mapping is the
+        # identity then (check_tensors proved d2t all zeros), so the vLLM folder omits d2t and t2d.
+        cast = {n: t for n, t in cast.items() if n not in ("d2t", "t2d")}
     tmp = Path(str(out_dir) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

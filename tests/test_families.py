@@ -202,3 +202,13 @@ def test_export_refuses_a_draft_trained_with_another_rope(drafter, tmp_path):
     assert target.rope["rope_type"] == "llama3"
     with pytest.raises(ExportError, match="trained with RoPE .*'default'.* target's is .*'llama3'"):
         export_draft(drafter, tmp_path / "target", "vllm", tmp_path / "out", [1, 2, 3], "0.32.0")
+
+
+def test_full_vocab_draft_exports_without_d2t_for_vllm_only(tmp_path, tiny_target):
+    cfg = DraftConfig.from_target(json.loads((tiny_target / "config.json").read_text()), 3, draft_vocab_size=99)
+    assert cfg.draft_vocab_size == cfg.vocab_size == 99
+    save_draft(Eagle3Draft(cfg), tmp_path / "drafter")
+    export_all(tmp_path / "drafter", tiny_target, tmp_path / "export", [1, 2, 3], "vllm")
+    assert "d2t" not in load_file(str(tmp_path / "export" / "vllm" / "model.safetensors"))
+    sg = load_file(str(tmp_path / "export" / "sglang" / "model.safetensors"))
+    assert not sg["d2t"].any() and bool(sg["t2d"].all())  # SGLang reads d2t as hot_token_id = arange + d2t
