@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import EaglepipeError
+from .rope import inv_freq_and_scaling, rope_parameters
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -59,24 +60,20 @@ class DraftConfig:
     head_dim: int  # hd, as the target
     intermediate_size: int  # I of the draft MLP, as the target
     rms_norm_eps: float  # as the target
-    rope_theta: float  # as the target (plain RoPE; scaled variants are refused)
+    rope_theta: float  # as the target (also inside rope_parameters)
     max_position_embeddings: int  # as the target
     target_hidden_size: int  # Ht, width of each aux state
     n_aux: int  # L = len(layers); fc reads L·Ht
     draft_vocab_size: int  # Vd
     vocab_size: int  # V, the target's vocabulary (t2d length, embedding rows)
     hidden_act: str = "silu"  # the MLP activation; only silu is implemented
+    # the target's RoPE, standardized by transformers (eaglepipe/rope.py); None = plain RoPE at rope_theta
+    rope_parameters: dict | None = None
 
     @classmethod
     def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int) -> "DraftConfig":
         """Build from the target's ``config.json`` dict. Raises EaglepipeError on what the draft cannot mirror."""
-        rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise EaglepipeError(
-                f"target rope type {rope_type!r}: the draft implements plain RoPE only (rope_type 'default')"
-            )
-        theta = target.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope = rope_parameters(target)  # raises RopeError for what the engines' Llama drafts cannot build
         if target.get("hidden_act", "silu") != "silu":
             raise EaglepipeError(f"target hidden_act {target['hidden_act']!r}: the draft MLP implements silu only")
         nh = int(target["num_attention_heads"])
@@ -89,16 +86,22 @@ class DraftConfig:
             head_dim=int(target.get("head_dim") or h // nh),
             intermediate_size=int(target["intermediate_size"]),
             rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rope_theta=float(rope["rope_theta"]),
             max_position_embeddings=int(target.get("max_position_embeddings", 8192)),
             target_hidden_size=h,
             n_aux=n_aux,
             draft_vocab_size=min(draft_vocab_size, vocab),
             vocab_size=vocab,
+            rope_parameters=rope,
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def rope(self) -> dict:
+        """The resolved RoPE: ``rope_parameters`` with ``rope_type``, and ``rope_theta`` from its own field."""
+        return {**(self.rope_parameters or {"rope_type": "default"}), "rope_theta": self.rope_theta}
 
 
 class RMSNorm(nn.Module):
@@ -115,11 +118,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)  # (..., D)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions (B, T) int64 → cos, sin (B, 1, T, hd) in fp32 (the rotate-half layout of HF Llama)."""
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B, T) int64 → cos, sin (B, 1, T, hd) in fp32 (the rotate-half layout of HF Llama).
+
+    ``inv_freq`` (hd/2,) and ``scaling`` (yarn's attention factor, else 1.0) come from
+    :func:`eaglepipe.rope.inv_freq_and_scaling`, as ``LlamaRotaryEmbedding.forward`` uses them.
+    """
     freqs = positions.float()[..., None] * inv_freq  # (B, T, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
-    return emb.cos()[:, None], emb.sin()[:, None]  # (B, 1, T, hd) each
+    return (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]  # (B, 1, T, hd) each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -199,8 +208,9 @@ class Eagle3Draft(nn.Module):
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True  # identity vocabulary until set_vocab
         self.register_buffer("t2d", t2d)  # (V,)
-        hd = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # (hd/2,)
+        inv_freq, self.rope_scaling = inv_freq_and_scaling(
+            cfg.rope, cfg.head_dim, cfg.hidden_size, cfg.num_attention_heads, cfg.max_position_embeddings
+        )  # (hd/2,), float: transformers' ROPE_INIT_FUNCTIONS for the target's rope_type
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -215,7 +225,7 @@ class Eagle3Draft(nn.Module):
     def layer(self, emb, hidden, positions, attend: Attend) -> torch.Tensor:
         """emb (B, T, H) embedding of the token each position reads, hidden (B, T, H), positions (B, T)
         → pre-norm output (B, T, H)."""
-        cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B, 1, T, hd)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)  # (B, 1, T, hd)
         return self.midlayer(emb, hidden, cos, sin, attend)  # (B, T, H)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,9 @@ from . import convention
 from .draft import DraftConfig
 from .errors import ConventionError, ExportError
 from .features import atomic_write_json
+from .rope import engine_fields as rope_fields
+from .serving import require_servable
+from .target import read_info
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,12 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
 
 
 def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
-    """The llama-style ``config.json`` of the draft (before the engine's aux ids are added)."""
+    """The llama-style ``config.json`` of the draft (before the engine's aux ids are added).
+
+    RoPE: the draft's (= the target's) ``rope_parameters`` plus ``rope_theta`` / ``rope_scaling``
+    (:func:`eaglepipe.rope.engine_fields`): vllm 0.32 ``models/llama.py _init_rotary_emb`` and sglang 0.5.23
+    ``models/llama.py LlamaDecoderLayer`` read ``config.rope_parameters``.
+    """
     return {
         "architectures": [ARCH],
         "model_type": "llama",
@@ -101,8 +109,7 @@ def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
         "head_dim": cfg.head_dim,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_fields(cfg.rope),  # the target's RoPE, in each spelling the engines read (rope.py)
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -129,15 +136,19 @@ def export_draft(
         layers: the boundaries the draft was trained on (h[k], ascending).
         version: the engine version the ids are written for (None = installed, else the translator's known).
     Raises:
-        ExportError: tensors missing/unexpected/misshapen, or ids that do not round-trip to ``layers``.
+        ExportError: tensors missing/unexpected/misshapen, ids that do not round-trip to ``layers``, or a
+            draft RoPE that is not the target's.
         ConventionError: the layers cannot be expressed for this engine / family / version.
     """
     drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
     target_cfg = json.loads((target_dir / "config.json").read_text())
     meta = json.loads((drafter_dir / "config.json").read_text())
     cfg = DraftConfig(**meta["draft"])
-    family = convention.family_of(target_cfg)
-    n_layers = convention.n_layers_of(target_cfg)
+    info = read_info(target_dir, hash_weights=False)  # the one place the family comes from
+    family, n_layers = info.family, info.n_layers
+    if cfg.rope != info.rope:
+        raise ExportError(f"the draft was trained with RoPE {cfg.rope} but the target's is {info.rope}: served "
+                          f"with another RoPE than it was trained with it would accept little, silently; retrain")
     if cfg.n_aux != len(layers):
         raise ExportError(f"the draft's fc reads {cfg.n_aux} aux states but layers = {layers}")
     convention.check_fc_width(cfg.n_aux * cfg.target_hidden_size, len(layers), cfg.target_hidden_size)
@@ -162,6 +173,11 @@ def export_draft(
             raise ExportError(f"{eng} {ver} would feed h{back} for this config, but the draft was trained on "
                               f"h{list(layers)}; refusing to export")
     cast = {n: (t.to(getattr(torch, dtype)) if t.is_floating_point() else t) for n, t in tensors.items()}
+    if engine == "vllm" and cfg.draft_vocab_size == cfg.vocab_size:
+        # vllm 0.32 model_executor/models/llama_eagle3.py creates draft_id_to_target_id (where load_weights puts
+        # d2t) only when draft_vocab_size != vocab_size, and refuses the tensor otherwise; the mapping is the
+        # identity then (check_tensors proved d2t all zeros), so the vLLM folder omits d2t and t2d.
+        cast = {n: t for n, t in cast.items() if n not in ("d2t", "t2d")}
     tmp = Path(str(out_dir) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -172,3 +188,29 @@ def export_draft(
     log.info("exported %s draft for %s: ids %s", family, engine,
              {e: v["ids"] for e, v in config["eaglepipe"]["engines"].items()})
     return config
+
+
+def export_all(drafter_dir: Path, target_dir: Path, out_dir: Path, layers: list[int], framework: str) -> dict:
+    """One folder per serving engine that can feed ``layers`` (``out_dir/<engine>``), and ``engines.json``.
+
+    ``engines.json``: per engine ``{"exported": bool, "version", "ids"}``, plus ``reason`` and ``nearest``
+    (layer lists it could serve) for an engine whose id rule cannot express ``layers``; its folder is absent.
+    Raises ParamsError (exit 2) when the ``framework`` engine itself cannot feed ``layers``; ExportError /
+    ConventionError as :func:`export_draft`.
+    """
+    drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
+    info = read_info(target_dir, hash_weights=False)
+    plans = require_servable(framework, info.family, info.n_layers, layers)
+    verdict = {}
+    for engine, plan in plans.items():
+        if plan.ids is None:
+            log.warning("no %s folder: %s", engine, plan.message(layers, info.n_layers))
+            shutil.rmtree(out_dir / engine, ignore_errors=True)
+            verdict[engine] = {"exported": False, **plan.to_json()}
+            continue
+        export_draft(drafter_dir, target_dir, engine, out_dir / engine, layers, plan.version)
+        verdict[engine] = {"exported": True, **plan.to_json()}
+    atomic_write_json(out_dir / "engines.json", {"layers": list(layers), "family": info.family,
+                                                 "n_layers": info.n_layers, "framework": framework,
+                                                 "engines": verdict})
+    return verdict

@@ -121,7 +121,7 @@ def extract(
     resumed = sum(writer.done(i) for i in range(len(chunks)))
     if resumed:
         log.info("resuming: %d of %d shards already written (key %s)", resumed, len(chunks), key)
-    ids = convention.engine_ids(p.engine, info.model_type, layers + [N], N)
+    ids = convention.engine_ids(p.engine, info.family, layers + [N], N)
     store = STORE_DTYPES[p.dtype]
     engine, version = None, None
     t0 = time.perf_counter()
@@ -156,7 +156,8 @@ def extract(
     header = {
         "engine": p.engine, "engine_version": version or engine_version(p.engine), "layers": layers, "dtype": p.dtype,
         "target": {"hash": info.content_hash, "n_layers": N, "hidden_size": info.hidden_size,
-                   "vocab_size": info.vocab_size, "model_type": info.model_type},
+                   "vocab_size": info.vocab_size, "model_type": info.model_type,
+                   "family": info.family},
         "capture_ids": ids, "regenerate": p.model_dump() if p.regenerate else None, "prompts_hash": prompts_hash,
     }
     manifest = writer.finish(header, len(chunks))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import convention as conv
 from .errors import ConventionError, EaglepipeError
+from .target import target_family
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ def inspect_draft(
     draft_dir = Path(draft_dir)
     cfg = _load_json(draft_dir / "config.json")
     target = load_target_config(target_config)
-    family, n_layers = conv.family_of(target), conv.n_layers_of(target)
+    family, n_layers = target_family(target), conv.n_layers_of(target)
     target_hidden = conv.hidden_size_of(target)
     target_vocab = target.get("vocab_size") or (target.get("text_config") or {}).get("vocab_size")
     fmt = detect_format(cfg)
@@ -332,6 +333,7 @@ def inspect_draft(
         for v in engines.values():
             if v.boundaries is not None and v.boundaries != stated:
                 problems.append(f"trained on h{stated} (eaglepipe block) but {v.engine} feeds h{v.boundaries}")
+    _check_rope(_vllm_view(cfg, fmt), target, problems, notes)
     if fmt == "eagle":
         notes.append("original EAGLE-3 config: its training code hard-codes h[2], h[N//2], h[N-3]")
 
@@ -367,6 +369,33 @@ def inspect_draft(
         str(draft_dir), fmt, list(cfg.get("architectures") or []), family, n_layers, target_hidden,
         stated, engines, agree, fc_shape, d2t, problems, notes,
     )
+
+
+def _check_rope(draft_cfg: dict, target: dict, problems: list[str], notes: list[str]) -> None:
+    """The draft's RoPE must be the target's (type, theta, scaling): both engines build the draft's rotary
+    embedding from its own config (vllm llama.py ``_init_rotary_emb``, sglang llama.py ``LlamaDecoderLayer``)."""
+    from .rope import RopeError, rope_parameters
+
+    tcfg = target.get("text_config") if isinstance(target.get("text_config"), dict) else target
+    if not {"num_attention_heads", "hidden_size"} <= tcfg.keys():
+        notes.append("target config has no attention shape: RoPE not checked")
+        return
+    try:
+        want = rope_parameters(target)
+    except RopeError as e:
+        notes.append(f"target RoPE not checked: {e}")
+        return
+    if "num_attention_heads" not in draft_cfg or "hidden_size" not in draft_cfg:
+        notes.append("draft config has no llama fields: RoPE not checked")
+        return
+    try:
+        got = rope_parameters(draft_cfg)
+    except RopeError as e:
+        problems.append(f"draft RoPE: {e}")
+        return
+    if got != want:
+        problems.append(f"draft RoPE {got} differs from the target's {want}: a draft served with another RoPE "
+                        "than the target's accepts little, silently")
 
 
 def format_report(report: Report) -> str:

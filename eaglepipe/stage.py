@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import EaglepipeError
+from .errors import EaglepipeError, ParamsError
 from .features import atomic_write_json
 from .params import Params, load_params
 
@@ -23,12 +23,13 @@ def start(name: str) -> Params:
 
 
 def run(main) -> None:
-    """Call ``main()``; an EaglepipeError becomes its message on stderr and exit code 1 (no traceback)."""
+    """Call ``main()``; an EaglepipeError becomes its message on stderr (no traceback) and exit code 2 for a
+    params/target problem (ParamsError, e.g. a target family or RoPE no engine can serve), else 1."""
     try:
         main()
     except EaglepipeError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(2 if isinstance(e, ParamsError) else 1)
 
 
 def write_metrics(path: str | Path, metrics: dict) -> None:

@@ -428,9 +428,9 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     head = load_target_head(target_dir)
     n_aux = len(FeatureSet(features_dir).layers)
     cfg = DraftConfig.from_target(target_cfg, n_aux=n_aux, draft_vocab_size=p.draft_vocab_size)
-    if cfg.n_aux != 3:
-        log.warning("%d aux layers: SGLang and vLLM (LlamaForCausalLMEagle3) build fc for exactly 3·Ht inputs; "
-                    "this draft will train but not load in those engines", cfg.n_aux)
+    if cfg.n_aux != 3:  # both engines size fc from num_aux_hidden_states, which export writes (convention.py)
+        log.info("%d aux layers: fc reads %d·Ht; export writes num_aux_hidden_states = %d, from which SGLang's and "
+                 "vLLM's llama_eagle3.py size fc", cfg.n_aux, cfg.n_aux, cfg.n_aux)
     fs, train, held = _index(features_dir, p, cfg.target_hidden_size)
     counts = count_predicted_tokens((FeatureSample(r.id, *fs.tokens(r), None, None) for r in train), cfg.vocab_size)
     vocab = build_draft_vocab(counts, p.draft_vocab_size)

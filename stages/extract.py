@@ -2,11 +2,14 @@
 
 Usage: python stages/extract.py TARGET_DIR TRAIN_JSONL OUT_DIR METRICS_JSON
 Reads params `layers`, `extract`; writes OUT_DIR (shards + manifest.json, see eaglepipe/features.py) and
-METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch under data/.scratch/, keyed by params, target, prompts and
-the eaglepipe code, so shards written by other code are never resumed).
+METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch under data/.scratch/, keyed
+by params, target, prompts and the eaglepipe code, so shards written by other code are never resumed).
+Reads `framework` only to refuse, before any compute, a layer list that engine cannot express (the shards do
+not depend on it, so it is not among extract's params in dvc.yaml).
 """
 
 import hashlib
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 from eaglepipe.extract import extract
 from eaglepipe.params import check_layers_against_target
 from eaglepipe.prompts import read_jsonl
+from eaglepipe.serving import require_servable
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target import read_info
 
@@ -23,6 +27,11 @@ def main():
     target_dir, train_file, out_dir, metrics = map(Path, sys.argv[1:5])
     info = read_info(target_dir)
     check_layers_against_target(p.layers, info.n_layers)
+    # Before any compute: a layer list the serving engine cannot express stops here (exit 2); one the other
+    # engine cannot express is logged with the nearest lists that work (export then writes no folder for it).
+    for plan in require_servable(p.framework, info.family, info.n_layers, p.layers).values():
+        if plan.ids is None:
+            logging.getLogger("extract").warning("%s", plan.message(p.layers, info.n_layers))
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
     scratch = out_dir.parent / ".scratch" / out_dir.name
     manifest, stats = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir, scratch,

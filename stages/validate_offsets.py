@@ -8,17 +8,17 @@ METRICS_JSON (verdict, worst cosine, offset per layer) and the cosine table COSI
 OK_JSON (the gate token training depends on) is written only when the check passes.
 """
 
-import json
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from eaglepipe import convention
 from eaglepipe.engines import get_engine
 from eaglepipe.errors import CaptureMismatch
 from eaglepipe.features import FeatureSet, atomic_write_json
+from eaglepipe.serving import require_servable
 from eaglepipe.stage import run, start, write_metrics
+from eaglepipe.target import read_info
 from eaglepipe.validate import check_offsets, require_ok
 
 
@@ -28,7 +28,9 @@ def main():
     fs = FeatureSet(features_dir)
     if fs.layers != p.layers:
         raise CaptureMismatch(f"stored features are for layers {fs.layers}, params say {p.layers}: re-run extract")
-    family = convention.family_of(json.loads((target_dir / "config.json").read_text()))
+    info = read_info(target_dir, hash_weights=False)
+    family = info.family
+    require_servable(p.framework, family, info.n_layers, p.layers)  # exit 2, nearest lists named, before capture
     with get_engine(p.framework, target_dir, dtype="float32") as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, fs.take(p.validate_.samples),
                             p.validate_.search, p.validate_.min_cosine)

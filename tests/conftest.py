@@ -32,29 +32,7 @@ def tiny_target(tmp_path_factory) -> Path:
     return out
 
 
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def tiny_tokenizer():
-    """A character-level fast tokenizer (ids < 99) with ChatML specials and template, for the tiny target."""
-    import string
-
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-    chars = string.ascii_letters + string.digits + " \n.,!?'-:"
-    vocab = {t: i for i, t in enumerate(specials + list(chars))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.add_special_tokens(specials[:3])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
-        unk_token="[UNK]", chat_template=CHATML,
-    )
+from eaglepipe.tiny_targets import CHATML, tiny_tokenizer  # noqa: E402,F401  (one copy, shared with benchmarks)
 
 
 @pytest.fixture(scope="session")

@@ -156,9 +156,12 @@ def _n_layers(target_dir: Path) -> int:
 
 
 def _family(target_dir: Path) -> str | None:
+    from ..errors import ParamsError
+    from ..target import target_family
+
     try:
-        return convention.family_of(json.loads((Path(target_dir) / "config.json").read_text()))
-    except ConventionError:
+        return target_family(json.loads((Path(target_dir) / "config.json").read_text()))
+    except (ConventionError, ParamsError):
         return None
 
 
