@@ -160,7 +160,8 @@ def test_hostile_jsonl_and_max_records(tmp_path):
 
 @pytest.mark.parametrize("kind", ["directory", "missing"])
 def test_wrong_kind_source_is_one_clear_line(tmp_path, kind):
-    """The prompts stage given a directory or a missing path: exit 1, one line naming the path, no traceback."""
+    """The prompts stage given a directory or a missing path: exit 2 (a params problem), one line naming the path,
+    no traceback."""
     import yaml
 
     repo = Path(__file__).resolve().parents[1]
@@ -172,7 +173,7 @@ def test_wrong_kind_source_is_one_clear_line(tmp_path, kind):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = subprocess.run([sys.executable, str(repo / "stages" / "prompts.py"), "out", "m.json"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     want = "is a directory" if kind == "directory" else "no such file"
     assert len(lines) == 1 and str(src) in lines[0] and want in lines[0], r.stderr
