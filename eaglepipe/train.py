@@ -63,7 +63,8 @@ from .vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 log = logging.getLogger(__name__)
 
 CKPT = "last.pt"
-PACK_GROUP = 64  # samples sorted by length together when packing (the shuffle is kept across windows)
+PACK_GROUP = 1024  # samples sorted by length together when packing (windows keep the shuffle on large sets;
+# on the CPU defaults' 115 samples, windows of 64 left 1 row in 4 epochs of 6 half empty: 12 rows, not 11)
 PREFETCH = 4  # batches read ahead by the feature worker thread
 
 
@@ -147,9 +148,11 @@ def padding_fraction(lengths: list[int], rows: list[list[int]], max_tokens: int)
 
 
 def epoch_rows(lengths: list[int], seed: int, epoch: int, max_tokens: int) -> list[list[int]]:
-    """The rows of one epoch: a (seed, epoch) shuffle, then :func:`pack_by_length`."""
+    """The rows of one epoch: a (seed, epoch) shuffle, :func:`pack_by_length`, then the rows shuffled (so an
+    epoch does not run from its longest samples to its shortest)."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return pack_by_length(lengths, torch.randperm(len(lengths), generator=g).tolist(), max_tokens)
+    rows = pack_by_length(lengths, torch.randperm(len(lengths), generator=g).tolist(), max_tokens)
+    return [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
 
 
 def collate(samples: list[FeatureSample], inv: dict[str, torch.Tensor] | None = None) -> Batch:
