@@ -91,7 +91,7 @@ def test_pack_split_and_schedule():
 
 def test_train_learns_and_writes_the_draft(features, tiny_target, tmp_path):
     out = tmp_path / "drafter"
-    s = train_drafter(features, tiny_target, out, _params(epochs=8, lr=1e-2), scratch_dir=tmp_path / "scratch",
+    s = train_drafter(features, tiny_target, out, _params(epochs=8, lr=1e-2, packing="length"), scratch_dir=tmp_path / "scratch",
                       live_dir=tmp_path / "live")
     assert s["losses"][-1] < 0.7 * s["losses"][0]
     assert s["best"]["tau_sim"] >= s["evals"]["epoch0"]["tau_sim"] and s["best"]["tau_sim"] > 1.0
