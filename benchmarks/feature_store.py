@@ -70,7 +70,7 @@ def measure(folder: Path, mode: str) -> dict:
     t0 = time.perf_counter()
     fs = FeatureSet(folder)
     lengths = [r.n_tokens for r in fs.refs]
-    rows = epoch_rows(lengths, 0, 0, BATCH_TOKENS)
+    rows = epoch_rows(lengths, 0, 0, BATCH_TOKENS, "length")
     tokens = 0
     if mode == "stream":
         for _, b in BatchStream(folder, [[fs.refs[i] for i in row] for row in rows]):
@@ -107,7 +107,7 @@ def main() -> None:
     lengths = [r.n_tokens for r in FeatureSet(work / "x10").refs]
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
     greedy = pack(lengths, order, BATCH_TOKENS)
-    grouped = epoch_rows(lengths, 0, 0, BATCH_TOKENS)
+    grouped = epoch_rows(lengths, 0, 0, BATCH_TOKENS, "length")
     result = {
         "what": "peak RSS of reading one training epoch of packed rows from the feature store (benchmarks/feature_store.py)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}, CPU",

@@ -68,6 +68,9 @@ class TrainParams(_Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     checkpoint_every: int = Field(100, ge=1)
+    packing: Literal["greedy", "length"] = Field(
+        "greedy", description="rows of ≤ batch_tokens: greedy in shuffled order, or length-grouped (first-fit "
+        "decreasing, less padding for fixed-shape batches); both report train padding_fraction")
     seed: int = 0
     fast: bool = Field(False, description="fast TTT step (ttt.ttt_unroll_fast: flex attention and torch.compile "
                        "on CUDA, chunked soft cross-entropy); same results as the plain step")

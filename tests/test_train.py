@@ -91,7 +91,7 @@ def test_pack_split_and_schedule():
 
 def test_train_learns_and_writes_the_draft(features, tiny_target, tmp_path):
     out = tmp_path / "drafter"
-    s = train_drafter(features, tiny_target, out, _params(epochs=8, lr=1e-2), scratch_dir=tmp_path / "scratch",
+    s = train_drafter(features, tiny_target, out, _params(epochs=8, lr=1e-2, packing="length"), scratch_dir=tmp_path / "scratch",
                       live_dir=tmp_path / "live")
     assert s["losses"][-1] < 0.7 * s["losses"][0]
     assert s["best"]["tau_sim"] >= s["evals"]["epoch0"]["tau_sim"] and s["best"]["tau_sim"] > 1.0
@@ -243,19 +243,17 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(features, tiny
     """Finite but huge features (3e38) overflow the draft to a NaN loss: training stops before that optimizer
     step, names the step's samples, and leaves the checkpoint of the step before it, whose weights are finite."""
     from eaglepipe.errors import TrainingError
+    from eaglepipe.features import FeatureSet
     from eaglepipe.train import epoch_rows
 
     p = _params(epochs=1, checkpoint_every=1)
-    victim = _train_ids(features, p)[5]
+    train = split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]
+    rows = epoch_rows([r.n_tokens for r in train], p.seed, 0, p.batch_tokens)
+    step = 3  # grad_accum 1: row k is optimizer step k + 1
+    victim = train[rows[step - 1][0]].id
     bad = _copy_features(features, tmp_path / "features", {victim: 3e38})
     with pytest.raises(TrainingError, match="non-finite training loss") as e:
         train_drafter(bad, tiny_target, tmp_path / "d", p, scratch_dir=tmp_path / "s")
-    from eaglepipe.features import FeatureSet
-
-    train = split_samples(FeatureSet(bad).refs, p.eval_fraction, p.seed)[0]
-    rows = epoch_rows([r.n_tokens for r in train], p.seed, 0, p.batch_tokens)
-    step = next(k for k, row in enumerate(rows) if victim in [train[i].id for i in row]) + 1  # grad_accum 1
-    assert step > 1, "the victim should not sit in the first step (the checkpoint branch below must run)"
     assert f"at optimizer step {step}, epoch 0" in str(e.value) and repr(victim) in str(e.value)
     (ckpt,) = (tmp_path / "s").glob("*/last.pt")
     assert f"the last good checkpoint {ckpt} is kept" in str(e.value)
