@@ -127,14 +127,19 @@ def matmul_flops(s: Shape, lens: list[int], ttt: int, lm_head_trained: bool) -> 
 # ---------------------------------------------------------------- eaglepipe
 
 
-def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32", frozen: bool = False,
-                   whole_unroll: bool = False):
+def seeded_draft(s: Shape, x: dict) -> Eagle3Draft:
+    """eaglepipe's draft at shape ``s`` (seed 0, the inputs' draft vocabulary), on CUDA."""
     cfg = DraftConfig(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 1e-5, s.rope_theta, 131072,
                       s.hidden, 3, s.draft_vocab, s.vocab)
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     draft.set_vocab(x["d2t"].cpu(), x["t2d"].cpu())
-    draft = draft.cuda()
+    return draft.cuda()
+
+
+def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32", frozen: bool = False,
+                   whole_unroll: bool = False):
+    draft = seeded_draft(s, x)
     with torch.no_grad():
         draft.lm_head.weight.copy_(x["lm_head"][x["t2d"]])
     draft.lm_head.weight.requires_grad_(not frozen)
@@ -304,12 +309,7 @@ def parity_check(s: Shape, tokens: int, ttt: int) -> dict:
     x = make_inputs(s, tokens, 1, "cuda")
     out = {}
     for fast in (False, True):
-        cfg = DraftConfig(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 1e-5, s.rope_theta, 131072,
-                          s.hidden, 3, s.draft_vocab, s.vocab)
-        torch.manual_seed(0)
-        draft = Eagle3Draft(cfg)
-        draft.set_vocab(x["d2t"].cpu(), x["t2d"].cpu())
-        draft = draft.cuda()
+        draft = seeded_draft(s, x)
         head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False)
         b = Batch(x["input_ids"], x["positions"], x["doc"], x["loss_mask"], x["aux"], x["last"], x["top_in_vocab"])
         soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab)
