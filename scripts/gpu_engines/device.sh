@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# ON THE DEVICE (the H200), from the repo root. Parts survive in /tmp/eng while the machine stays warm (~30 s).
+#   device.sh stash .gpu/carry/NN     copy this call's part(s) to /tmp/eng and check their sha256
+#   device.sh install vllm|sglang     concatenate the stage's parts, check the whole sha256, install
+#   source <(device.sh env vllm|sglang)   PYTHONPATH + engine env for the checks
+set -euo pipefail
+E=/tmp/eng
+case ${1:-} in
+  stash)
+    mkdir -p $E; cp "$2"/*.part* "$2"/MANIFEST.sha256 $E/
+    (cd $E && for p in $(cd "$OLDPWD/$2" && ls *.part*); do grep "  $p\$" MANIFEST.sha256; done | sha256sum -c -)
+    ls -l $E ;;
+  install)
+    s=$2; site=/tmp/site; [ "$s" = sglang ] && site=/tmp/site-sgl
+    ls $E/$s.tar.part* >/dev/null   # fails loudly when the machine went cold and /tmp/eng was lost
+    cat $E/$s.tar.part* > $E/$s.tar
+    (cd $E && grep "  $s.tar\$" MANIFEST.sha256 | sha256sum -c -)
+    rm -f $E/$s.tar.part*
+    rm -rf $E/$s; mkdir -p $E/$s $site; tar -xf $E/$s.tar -C $E/$s; rm -f $E/$s.tar
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $E/$s/wheels/*.whl
+    for t in $E/$s/*-tree.tar.xz; do tar -xJf "$t" -C $site; done   # pruned wheel trees = site-packages layout
+    echo "installed stage $s into $site: $(du -sm $site | cut -f1) MiB" ;;
+  env)
+    if [ "${2:-vllm}" = sglang ]; then echo "export PYTHONPATH=/tmp/site-sgl:/tmp/site"; else echo "export PYTHONPATH=/tmp/site"; fi
+    echo "export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1"
+    echo "export VLLM_CACHE_ROOT=/tmp/vllm-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor FLASHINFER_WORKSPACE_BASE=/tmp/fi" ;;
+  *) sed -n 2,6p "$0"; exit 2 ;;
+esac
