@@ -130,6 +130,7 @@ def test_zero_acceptance_fails_serve_eval_and_names_the_causes(tmp_path, tiny_ta
                        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 1, r.stdout + r.stderr
     assert "serve.min_tau = 1.05" in r.stderr and "layer ids" in r.stderr and "d2t" in r.stderr, r.stderr
+    assert "(0 of " in r.stderr and "drafted tokens accepted over" in r.stderr, r.stderr
     metrics, report = json.loads(out[0].read_text()), json.loads(out[1].read_text())
     assert metrics["gate"] == "fail" and metrics["reference"]["tau"] == 1.0
     assert metrics["reference"]["acc"] == {"pos1": 0.0, "pos2": 0.0, "pos3": 0.0}
@@ -138,3 +139,16 @@ def test_zero_acceptance_fails_serve_eval_and_names_the_causes(tmp_path, tiny_ta
     acc = pd.read_csv(out[2])
     assert list(acc["position"]) == ["reference pos1", "reference pos2", "reference pos3"]
     assert list(acc["acceptance"]) == [0.0, 0.0, 0.0]
+
+
+def test_gate_says_when_the_draft_is_undertrained_not_miswired():
+    from eaglepipe.evaluate import acceptance_gate
+
+    res = {"reference": {"tau": 1.0, "rounds": 14, "acceptance_per_pos": [0.0, 0.0, 0.0]},
+           "vllm": {"tau": 1.0, "accepted_tokens": 0, "draft_tokens": 42}}
+    failures, flags = acceptance_gate(res, tau_sim=1.0, min_tau=1.05, max_sim_gap=0.5)
+    assert failures[0] == "reference: τ = 1.000 < serve.min_tau = 1.05 (0 of 42 drafted tokens accepted over 14 verify steps)"
+    assert failures[1] == "vllm: τ = 1.000 < serve.min_tau = 1.05 (0 of 42 drafted tokens accepted)"
+    assert "τ_sim is 1.000" in failures[2] and "undertrained" in failures[2] and flags == []
+    failures, flags = acceptance_gate(res, tau_sim=2.0, min_tau=1.05, max_sim_gap=0.5)
+    assert len(failures) == 2 and len(flags) == 2  # τ_sim 2.0: served 1.0 is a wiring problem, flagged per engine
