@@ -46,6 +46,9 @@ class ExtractParams(_Strict):
     batch_size: int = Field(16, ge=1)
     max_length: int = Field(512, ge=8)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # The dtype the engine computes in; bf16 where the engine has no fp32 kernels (vLLM's MLA backends on
+    # CUDA: vllm/v1/attention/backends/mla/*.py ``supported_dtypes``) or to match a bf16 serving engine.
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     shard_size: int = Field(64, ge=1)
 
 

@@ -83,3 +83,29 @@ def serve_summary(k: int, n_prompts: int, max_new_tokens: int, draft: dict, plai
         "outputs_equal": draft["outputs"] == plain["outputs"],
         "engine_version": version,
     }
+
+
+def groups(items: list, size: int | None) -> list[list]:
+    """``items`` in consecutive groups of ``size`` (the last may be shorter); one group when size is None."""
+    if size is None:
+        return [list(items)]
+    if size < 1:
+        raise ValueError(f"batch size must be ≥ 1 or None, got {size}")
+    return [list(items[i:i + size]) for i in range(0, len(items), size)]
+
+
+# The figures of one timed (draft, plain) pair that differ by batch size.
+_PER_BATCH = ("tau", "acceptance_per_pos", "tokens_per_s_draft", "tokens_per_s_plain", "speedup", "outputs_equal")
+
+
+def by_batch_size(runs: list[dict], batch_sizes: tuple) -> dict:
+    """One served result from the runs at each batch size: the first run's fields at the top level, and
+    ``by_batch_size`` = {"1": {tau, acceptance_per_pos, tokens_per_s_*, speedup, outputs_equal}, ...}
+    ("all" for None = every prompt at once) when more than one batch size was timed. ``outputs_equal`` at
+    the top is true only when every run's draft and plain outputs are equal."""
+    out = dict(runs[0])
+    if len(runs) > 1:
+        out["by_batch_size"] = {("all" if b is None else str(b)): {f: r[f] for f in _PER_BATCH if f in r}
+                                for b, r in zip(batch_sizes, runs)}
+        out["outputs_equal"] = all(r["outputs_equal"] for r in runs)
+    return out

@@ -54,10 +54,14 @@ import torch
 
 from .. import convention
 from ..errors import CaptureMismatch, ConventionError, EaglepipeError
-from .base import Engine, serve_summary
+from .base import Engine, by_batch_size, groups as _groups, serve_summary
 
 log = logging.getLogger(__name__)
 
+
+# JSON object of extra ``sglang.Engine`` server arguments for every instance, for runs that start engines
+# through the stages (on the H200 without FA3: '{"attention_backend": "triton"}'); ``engine_kwargs`` wins.
+SERVER_ARGS_ENV = "EAGLEPIPE_SGLANG_ARGS"
 
 # Set to "1" in the worker's environment (inherited by SGLang's subprocesses) when the CPU stand-ins apply.
 _SHIM_ENV = "EAGLEPIPE_SGLANG_CPU_SHIM"
@@ -191,7 +195,8 @@ class SGLangEngine(Engine):
         seed: SGLang's ``random_seed``.
         log_level: SGLang's log level inside the worker ("error" keeps test output clean).
         start_timeout: seconds one request to the worker may take before it is declared hung.
-        engine_kwargs: further ``sglang.Engine`` server arguments for every instance.
+        engine_kwargs: further ``sglang.Engine`` server arguments for every instance, over those in the
+            environment variable ``EAGLEPIPE_SGLANG_ARGS`` (JSON).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2}.
         n_layers: N of the target.
@@ -213,7 +218,7 @@ class SGLangEngine(Engine):
         self.seed = seed
         self.log_level = log_level
         self.timeout = start_timeout
-        self.engine_kwargs = dict(engine_kwargs or {})
+        self.engine_kwargs = {**json.loads(os.environ.get(SERVER_ARGS_ENV) or "{}"), **(engine_kwargs or {})}
         self.startup_s: dict[str, float] = {}
         self._version: str | None = None
         self._proc = None
@@ -389,19 +394,26 @@ class SGLangEngine(Engine):
                          sampling_params=self._sampling(len(prompts), max_new_tokens, temperature, seed))
         return res["outputs"]
 
-    def generate_timed(self, prompts, max_new_tokens, **server_args) -> dict:
+    def generate_timed(self, prompts, max_new_tokens, batch_size: int | None = None, **server_args) -> dict:
         """Greedy completions, timed, on a plain instance or one started with ``server_args``.
 
-        A one-token warm-up request runs first. Returns {"outputs", "meta" (SGLang's per-request
-        ``spec_*`` / ``completion_tokens``), "seconds", "tokens", "tokens_per_s", "startup_s"}.
+        A one-token warm-up request runs first. ``batch_size``: send the prompts in consecutive groups of
+        that many (1 = one request at a time); None = all at once. Seconds are summed over groups.
+        Returns {"outputs", "meta" (SGLang's per-request ``spec_*`` / ``completion_tokens``), "seconds",
+        "tokens", "tokens_per_s", "startup_s", "batch_size"}.
         """
         mode = ("spec", json.dumps(server_args, sort_keys=True)) if server_args else ("generate",)
         self._start(mode, **server_args)
         self._call("generate", prompts=[list(prompts[0])], sampling_params=self._sampling(1, 1, 0.0, 0))
-        res = self._call("generate", prompts=[list(map(int, p)) for p in prompts],
-                         sampling_params=self._sampling(len(prompts), max_new_tokens, 0.0, 0))
+        res = {"outputs": [], "meta": [], "seconds": 0.0}
+        for group in _groups(prompts, batch_size):
+            r = self._call("generate", prompts=[list(map(int, p)) for p in group],
+                           sampling_params=self._sampling(len(group), max_new_tokens, 0.0, 0))
+            res = {"outputs": res["outputs"] + r["outputs"], "meta": res["meta"] + r["meta"],
+                   "seconds": res["seconds"] + r["seconds"]}
         n = sum(len(o) for o in res["outputs"])
-        return {**res, "tokens": n, "tokens_per_s": n / res["seconds"], "startup_s": self.startup_s[mode[0]]}
+        return {**res, "tokens": n, "tokens_per_s": n / res["seconds"], "startup_s": self.startup_s[mode[0]],
+                "batch_size": batch_size}
 
 
 def eagle3_server_args(draft_dir: str | Path, k: int) -> dict:
@@ -417,19 +429,27 @@ def eagle3_server_args(draft_dir: str | Path, k: int) -> dict:
 
 def serve_eagle3(
     target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
-    engine: SGLangEngine | None = None, **engine_opts,
+    engine: SGLangEngine | None = None, batch_sizes: tuple = (None,), **engine_opts,
 ) -> dict:
     """Serve ``draft_dir`` with SGLang's EAGLE-3 (k drafted tokens per step) and the target without it; compare.
 
     CUDA only: SGLang's EAGLE-3 worker needs its GPU kernels (on CPU the tree/verify/draft-KV ops are the
     unpublished ``*_cpu`` kernels); raises SGLangError on a machine without CUDA. Both runs are greedy,
-    same prompts (token ids) and ``max_new_tokens``. τ (mean acceptance length, tokens per target
-    forward) = Σ completion_tokens / Σ spec_verify_ct, from SGLang's own per-request ``meta_info``.
+    same prompts (token ids) and ``max_new_tokens``. From SGLang's own per-request ``meta_info``
+    (srt/managers/tokenizer_manager.py ``_calculate_spec_decoding_metrics``): τ = 1 + Σ spec_num_correct_drafts
+    / Σ spec_verify_ct (tokens per target forward, prefill not counted: the reference decoder's and vLLM's
+    definition), and acceptance at draft position i = verify steps that accepted ≥ i drafts / verify steps,
+    from ``spec_correct_drafts_histogram`` (index a = steps that accepted a drafts; a chain, topk 1).
+    SGLang's own ``spec_accept_length`` (completion_tokens / verify_ct, which counts the prefill's token)
+    is reported beside it as ``tau_sglang_accept_length``.
 
+    Args:
+        batch_sizes: concurrency levels to time on the same two instances (first = top-level figures).
     Returns:
-        dict with k, tau, accept_rate (accepted drafts / proposed), verify_steps, tokens_per_s_draft,
-        tokens_per_s_plain, speedup, startup_s_draft, startup_s_plain, outputs_draft, outputs_plain,
-        outputs_equal, prompts, max_new_tokens, engine_version.
+        dict with k, tau, tau_sglang_accept_length, acceptance_per_pos, accept_rate (accepted drafts /
+        proposed), verify_steps, tokens_per_s_draft, tokens_per_s_plain, speedup, startup_s_draft,
+        startup_s_plain, outputs_draft, outputs_plain, outputs_equal, prompts, max_new_tokens,
+        engine_version, and ``by_batch_size`` when more than one batch size is timed.
     """
     if not torch.cuda.is_available():
         raise SGLangError(
@@ -440,20 +460,35 @@ def serve_eagle3(
     own = engine is None
     engine = engine or SGLangEngine(target_dir, **engine_opts)
     try:
-        d = engine.generate_timed(prompts, max_new_tokens, **eagle3_server_args(draft_dir, k))
-        p = engine.generate_timed(prompts, max_new_tokens)
+        args = eagle3_server_args(draft_dir, k)
+        d = [engine.generate_timed(prompts, max_new_tokens, batch_size=b, **args) for b in batch_sizes]
+        p = [engine.generate_timed(prompts, max_new_tokens, batch_size=b) for b in batch_sizes]
     finally:
         if own:
             engine.close()
-    verify = sum(m.get("spec_verify_ct", 0) for m in d["meta"])
-    completion = sum(m.get("completion_tokens", 0) for m in d["meta"])
-    correct = sum(m.get("spec_num_correct_drafts", 0) for m in d["meta"])
-    proposed = sum(m.get("spec_num_proposed_drafts", 0) for m in d["meta"])
+    runs = [{**serve_summary(k, len(prompts), max_new_tokens, di, pi, engine.version), **spec_acceptance(di["meta"], k)}
+            for di, pi in zip(d, p)]
+    return by_batch_size(runs, batch_sizes)
+
+
+def spec_acceptance(meta: list[dict], k: int) -> dict:
+    """τ and acceptance per draft position from SGLang's per-request ``meta_info`` (see :func:`serve_eagle3`)."""
+    verify = sum(m.get("spec_verify_ct", 0) for m in meta)
+    correct = sum(m.get("spec_num_correct_drafts", 0) for m in meta)
+    proposed = sum(m.get("spec_num_proposed_drafts", 0) for m in meta)
+    completion = sum(m.get("completion_tokens", 0) for m in meta)
+    hist = [0] * (k + 1)  # hist[a] = verify steps that accepted a drafts
+    for m in meta:
+        for a, n in enumerate(m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram") or []):
+            hist[min(a, k)] += n
+    steps = max(sum(hist), 1)
     return {
-        **serve_summary(k, len(prompts), max_new_tokens, d, p, engine.version),
-        "tau": completion / max(verify, 1),
+        "tau": 1 + correct / max(verify, 1),
+        "tau_sglang_accept_length": completion / max(verify, 1),
+        "acceptance_per_pos": [sum(hist[i:]) / steps for i in range(1, k + 1)],
         "accept_rate": correct / max(proposed, 1),
         "verify_steps": verify,
+        "histogram_steps": sum(hist),
     }
 
 

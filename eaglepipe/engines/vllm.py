@@ -37,11 +37,14 @@ import torch
 
 from .. import convention
 from ..errors import CaptureMismatch
-from .base import Engine, serve_summary
+from .base import Engine, by_batch_size, groups as _groups, serve_summary
 
 log = logging.getLogger(__name__)
 
 CONNECTOR_MODULE = "eaglepipe.engines.vllm_connector"
+# JSON object of extra ``vllm.LLM`` keyword arguments for every instance, for runs that start engines through
+# the stages (e.g. on a GPU: '{"gpu_memory_utilization": 0.5}'); ``llm_kwargs`` wins over it.
+LLM_ARGS_ENV = "EAGLEPIPE_VLLM_ARGS"
 CONNECTOR_CLASS = "CPUHiddenStatesConnector"
 
 
@@ -146,7 +149,8 @@ class VLLMEngine(Engine):
             so that later ``capture`` calls with a subset reuse it instead of restarting (~30 s each).
         enforce_eager: no torch.compile (compiling costs ~2 min of start-up on CPU for no speed-up here).
         seed: vLLM's global seed.
-        llm_kwargs: more keyword arguments for every ``vllm.LLM`` this engine starts (e.g. on a GPU:
+        llm_kwargs: more keyword arguments for every ``vllm.LLM`` this engine starts, over those in the
+            environment variable ``EAGLEPIPE_VLLM_ARGS`` (JSON) (e.g. on a GPU:
             ``{"gpu_memory_utilization": 0.5}``).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2, "generate": 29.8}.
@@ -173,7 +177,7 @@ class VLLMEngine(Engine):
         self._llm = None
         self._mode: tuple | None = None
         self._store: Path | None = None  # where the connector writes hidden-state files
-        self._extra = dict(llm_kwargs or {})
+        self._extra = {**json.loads(os.environ.get(LLM_ARGS_ENV) or "{}"), **(llm_kwargs or {})}
 
     @property
     def version(self) -> str:
@@ -317,12 +321,15 @@ class VLLMEngine(Engine):
         out, _ = self._run(llm, prompts, self._params(len(prompts), max_new_tokens, temperature, seed))
         return out
 
-    def generate_timed(self, prompts, max_new_tokens, speculative_config: dict | None = None) -> dict:
+    def generate_timed(self, prompts, max_new_tokens, speculative_config: dict | None = None,
+                       batch_size: int | None = None) -> dict:
         """Greedy completions, timed, on a plain instance or one with ``speculative_config`` (stats on).
 
         A one-token warm-up request runs first so that neither timing includes first-call costs.
+        ``batch_size``: send the prompts in consecutive groups of that many (1 = one request at a time, the
+        latency case); None = all at once (vLLM's scheduler batches them). Seconds are summed over groups.
         Returns {"outputs", "seconds", "tokens", "tokens_per_s", "counters" (difference of spec counters,
-        None without speculation), "startup_s"}.
+        None without speculation), "startup_s", "batch_size"}.
         """
         if speculative_config is None:
             llm, mode = self._start(("generate",)), "generate"
@@ -332,7 +339,10 @@ class VLLMEngine(Engine):
                               speculative_config=speculative_config, disable_log_stats=False)
         self._run(llm, prompts[:1], self._params(1, 1, 0.0, 0))
         before = spec_counters(llm) if speculative_config else None
-        outs, secs = self._run(llm, prompts, self._params(len(prompts), max_new_tokens, 0.0, 0))
+        outs, secs = [], 0.0
+        for group in _groups(prompts, batch_size):
+            o, t = self._run(llm, group, self._params(len(group), max_new_tokens, 0.0, 0))
+            outs, secs = outs + o, secs + t
         counters = None
         if speculative_config:
             after = spec_counters(llm)
@@ -340,7 +350,7 @@ class VLLMEngine(Engine):
             counters["per_pos"] = _vadd(after["per_pos"], before["per_pos"], -1)
         n = sum(len(o) for o in outs)
         return {"outputs": outs, "seconds": secs, "tokens": n, "tokens_per_s": n / secs, "counters": counters,
-                "startup_s": self.startup_s.get(mode)}
+                "startup_s": self.startup_s.get(mode), "batch_size": batch_size}
 
 
 def _installed(dist: str) -> bool:
@@ -353,7 +363,7 @@ def _installed(dist: str) -> bool:
 
 def serve_eagle3(
     target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
-    engine: VLLMEngine | None = None, **engine_opts,
+    engine: VLLMEngine | None = None, batch_sizes: tuple = (None,), **engine_opts,
 ) -> dict:
     """Serve ``draft_dir`` with EAGLE-3 (k drafted tokens per step) and the same target without it; compare.
 
@@ -365,24 +375,33 @@ def serve_eagle3(
     Args:
         engine: an engine on ``target_dir`` to use (its running instance is replaced); default: a new one,
             closed at the end.
+        batch_sizes: concurrency levels to time, each on the same two instances (see
+            :meth:`VLLMEngine.generate_timed`); the top-level figures are those of the first.
     Returns:
         dict with k, tau, acceptance_per_pos, drafts, draft_tokens, accepted_tokens, tokens_per_s_draft,
         tokens_per_s_plain, speedup, startup_s_draft, startup_s_plain, outputs_draft, outputs_plain,
-        outputs_equal, prompts, max_new_tokens, engine_version.
+        outputs_equal, prompts, max_new_tokens, engine_version, and ``by_batch_size`` ({str(bs): the same
+        τ / speed / equality figures at that batch size}) when more than one batch size is timed.
     """
     own = engine is None
     engine = engine or VLLMEngine(target_dir, **engine_opts)
     try:
         spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-        d = engine.generate_timed(prompts, max_new_tokens, spec)
-        p = engine.generate_timed(prompts, max_new_tokens, None)
+        d = [engine.generate_timed(prompts, max_new_tokens, spec, batch_size=b) for b in batch_sizes]
+        p = [engine.generate_timed(prompts, max_new_tokens, None, batch_size=b) for b in batch_sizes]
     finally:
         if own:
             engine.close()
-    c = d["counters"]
+    runs = [{**serve_summary(k, len(prompts), max_new_tokens, di, pi, engine.version), **_acceptance(di, k)}
+            for di, pi in zip(d, p)]
+    return by_batch_size(runs, batch_sizes)
+
+
+def _acceptance(run: dict, k: int) -> dict:
+    """τ and acceptance per position of one timed speculative run, from its vLLM counter differences."""
+    c = run["counters"]
     drafts = max(c["drafts"], 1)
     return {
-        **serve_summary(k, len(prompts), max_new_tokens, d, p, engine.version),
         "tau": 1 + c["accepted"] / drafts,
         "acceptance_per_pos": [a / drafts for a in c["per_pos"][:k]],
         "drafts": c["drafts"],

@@ -6,13 +6,18 @@
 #   .gpu/stage/<stage>/    the stage payload before splitting
 #   .gpu/carry/NN/         one folder per device call, each holding one part (<= 48 MiB): carry ".gpu/carry/NN"
 #   .gpu/carry/MANIFEST.sha256 and .gpu/carry/NN/MANIFEST.sha256 (copied into every call folder)
-# Usage: scripts/gpu_engines/build.sh [vllm|sglang|all]   (default all; sglang needs nothing from vllm here)
-# Env: PART_MB (default 48), XZ_OPTS (default "-T1 -6"), WITH_FA3=1 keeps sgl_kernel/flash_ops (1.1 GB, see README)
+#   .gpu/carry/cNN/        one folder per device call: up to CALL_MB of parts of any stage + MANIFEST.sha256
+# Usage: scripts/gpu_engines/build.sh [vllm|sglang|inputs|all]   (default all)
+#   inputs = what benchmarks/h200_engines.py serves and extracts: the SmolLM2 GGUF, the draft of this
+#   checkout's data/drafter (whose export under data/export must hold the same weights), data/prompts.
+# Env: PART_MB (default 20), CALL_MB (default 60), XZ_OPTS (default "-T1 -6"), WITH_FA3=1 keeps
+#   sgl_kernel/flash_ops (1.1 GB, see README)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 HERE=scripts/gpu_engines
-STAGES=${1:-all}; [ "$STAGES" = all ] && STAGES="vllm sglang"
-PART_MB=${PART_MB:-48}
+STAGES=${1:-all}; [ "$STAGES" = all ] && STAGES="vllm sglang inputs"
+PART_MB=${PART_MB:-20}
+CALL_MB=${CALL_MB:-60}
 XZ_OPTS=${XZ_OPTS:-"-T1 -6"}
 G=.gpu
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -45,9 +50,20 @@ tree_xz() {  # $1 wheel, $2 output .tar.xz, rest: unzip -x exclude patterns.  Un
 build_stage() {  # $1 = stage
   local s=$1 st=$G/stage/$1
   echo "== stage $s"
-  download "$s"
   rm -rf "$st"; mkdir -p "$st/wheels"
+  [ "$s" = inputs ] || download "$s"
   case $s in
+    inputs)
+      local w=data/drafter/model.safetensors
+      for e in vllm sglang; do
+        cmp -s "$w" data/export/$e/model.safetensors || { echo "data/export/$e holds other weights than $w: dvc repro first" >&2; exit 1; }
+      done
+      rmdir "$st/wheels"; mkdir -p "$st/draft" "$st/prompts"
+      cp -L bundled/SmolLM2-135M-Instruct.Q4_1.gguf "$st/"
+      cp "$w" "$st/draft/"; cp data/drafter/config.json "$st/draft/drafter.json"
+      cp data/export/vllm/config.json "$st/draft/vllm.json"; cp data/export/sglang/config.json "$st/draft/sglang.json"
+      cp data/prompts/train.jsonl data/prompts/eval.jsonl "$st/prompts/"
+      ;;
     vllm)
       # runtime-notes: drop FA2 (305 MB unpacked), the Rust front end, Blackwell fmha, DeepGEMM headers.
       # Keep _vllm_fa3_C (model inspection imports vllm_flash_attn unconditionally).
@@ -71,25 +87,28 @@ build_stage() {  # $1 = stage
   # one stream per stage: tar (no compression: wheels are zips, the tree is already xz)
   local bundle=$G/stage/$s.tar
   tar -C "$st" -cf "$bundle" .
-  # split into parts, one per device call; call numbering continues across stages
-  local n0; n0=$(find $G/carry -mindepth 1 -maxdepth 1 -type d -name '[0-9][0-9]' | wc -l)
-  local pd=$G/stage/$s.parts; rm -rf "$pd"; mkdir -p "$pd"
-  split -b "${PART_MB}M" -d -a 2 "$bundle" "$pd/$s.tar.part"
-  local i=$n0
-  for p in "$pd"/*; do
-    i=$((i+1)); local d; d=$(printf '%s/carry/%02d' $G $i); mkdir -p "$d"; mv "$p" "$d/"
-  done
+  # split into parts; pack_calls below fills call folders with them, stage after stage
+  split -b "${PART_MB}M" -d -a 2 "$bundle" "$G/parts/$s.tar.part"
   (cd $G/stage && sha256sum "$s.tar") >> $G/carry/MANIFEST.sha256
-  rm -rf "$pd"
 }
 
-rm -rf $G/carry $G/stage; mkdir -p $G/carry $G/stage
+pack_calls() {  # parts in stage order → .gpu/carry/c01, c02, ... each at most CALL_MB
+  local i=1 used=0 d sz
+  for s in $STAGES; do for p in $G/parts/$s.tar.part*; do
+    sz=$(stat -c %s "$p")
+    if [ $((used + sz)) -gt $((CALL_MB * 1048576)) ]; then i=$((i+1)); used=0; fi
+    d=$(printf '%s/carry/c%02d' $G $i); mkdir -p "$d"; mv "$p" "$d/"; used=$((used + sz))
+  done; done
+}
+
+rm -rf $G/carry $G/stage $G/parts; mkdir -p $G/carry $G/stage $G/parts
 : > $G/carry/MANIFEST.sha256
 for s in $STAGES; do build_stage "$s"; done
+pack_calls
 # per-part sums; every call folder carries the full manifest (small) so any call can check what it has
-for d in $G/carry/[0-9][0-9]; do (cd "$d" && sha256sum ./*.part*) | sed 's#  \./#  #' >> $G/carry/MANIFEST.sha256; done
-for d in $G/carry/[0-9][0-9]; do cp $G/carry/MANIFEST.sha256 "$d/"; done
+for d in $G/carry/c[0-9][0-9]; do (cd "$d" && sha256sum ./*.part*) | sed 's#  \./#  #' >> $G/carry/MANIFEST.sha256; done
+for d in $G/carry/c[0-9][0-9]; do cp $G/carry/MANIFEST.sha256 "$d/"; done
 echo "== manifest"; cat $G/carry/MANIFEST.sha256
 echo "== calls (carry one folder each)"
-for d in $G/carry/[0-9][0-9]; do echo "$d $(du -cb "$d"/* | tail -1 | cut -f1) bytes: $(ls "$d" | grep -v MANIFEST)"; done
+for d in $G/carry/c[0-9][0-9]; do echo "$d $(du -cb "$d"/* | tail -1 | cut -f1) bytes: $(ls "$d" | grep -v MANIFEST)"; done
 echo "== inner payload"; ls -l $G/stage/*/ $G/stage/*/wheels | grep -v '^total'

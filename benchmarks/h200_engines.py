@@ -1,0 +1,275 @@
+"""Issue 12 on the lent H200: real vLLM 0.26 and SGLang 0.5.17 capture, validate and serve one exported draft.
+
+Runs THERE (``scripts/gpu_engines/suite.sh`` calls it, each engine in its own process and PYTHONPATH);
+``merge`` runs HERE on what came back. Every step writes one JSON file into ``--out`` (the device's $OUT).
+
+    prep       SmolLM2 target from the carried GGUF (fp32, as the CPU pipeline's), the carried draft/exports
+    serve E    E in {vllm, sglang}: eaglepipe.engines.E.serve_eagle3 on MT-bench first turns, batch 1 and 8
+    reference  the reference decoder (HF target + draft, fp32) on the same prompts
+    extract E  E in {hf, vllm}: eaglepipe.extract on the carried training conversations → tokens/s
+    validate E validate_offsets' check through engine E on the features extracted by vLLM
+    seeds E    the seeds' case (item 5): tiny random kimi_k2 (DeepSeek-V3 MLA) target; E=vllm: extract its
+               features with vLLM, train a few steps, export; E=sglang: SGLang's capture with the exported
+               ids (offset 0) and with the seeds' ids planted (the gate names the shift and refuses), then
+               SGLang EAGLE-3 serving of that draft
+    merge      HERE: the step files → benchmarks/h200/serve_eval.json, offsets_sglang_deepseek.json,
+               extract_engines.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+K = 3
+LAYERS = [2, 15, 27]  # what the carried draft was trained on (params.yaml defaults)
+SEEDS_LAYERS = [3, 4, 5]  # tiny kimi_k2, N = 6 (eaglepipe.tiny_targets); the seeds' ids for these start at 2
+GPU_VLLM = {"gpu_memory_utilization": 0.35}
+GPU_SGLANG = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True,
+              "mem_fraction_static": 0.35}  # FA3 (flash_ops) is pruned from the carried sgl_kernel
+
+
+def _write(out: Path, name: str, obj: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    print(f"RESULT {name} {json.dumps(obj, default=str)[:1500]}", flush=True)
+
+
+def _gpu() -> dict:
+    import torch
+
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+
+def prep(a) -> None:
+    """Target folder from the GGUF (same dequantization as the CPU target stage) and the carried draft."""
+    from eaglepipe.target import materialize_target
+
+    w = Path(a.work)
+    t0 = time.perf_counter()
+    if not (w / "target").exists():
+        materialize_target(str(Path(a.inputs) / "SmolLM2-135M-Instruct.Q4_1.gguf"), w / "target", "float32")
+    for name, cfg in (("drafter", "drafter.json"), ("export/vllm", "vllm.json"), ("export/sglang", "sglang.json")):
+        d = w / name
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(a.inputs) / "draft" / cfg, d / "config.json")
+        shutil.copy(Path(a.inputs) / "draft" / "model.safetensors", d / "model.safetensors")
+    _write(Path(a.out), "prep.json", {"seconds": time.perf_counter() - t0, **_gpu()})
+
+
+def _prompts(a) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from eaglepipe.evaluate import eval_prompts
+    from eaglepipe.prompts import read_jsonl
+
+    recs = [r for r in read_jsonl(Path(a.inputs) / "prompts" / "eval.jsonl") if r.get("source") == "mtbench"]
+    return eval_prompts(AutoTokenizer.from_pretrained(Path(a.work) / "target"), recs, a.prompts)
+
+
+def serve(a) -> None:
+    """One engine's EAGLE-3 serving against plain serving, batch sizes 1 and 8, counters from the engine."""
+    w, prompts = Path(a.work), _prompts(a)
+    ids = [p["input_ids"] for p in prompts]
+    bs = (1, 8)
+    if a.engine == "vllm":
+        from eaglepipe.engines.vllm import serve_eagle3
+
+        res = serve_eagle3(w / "target", w / "export" / "vllm", ids, K, a.max_new, batch_sizes=bs,
+                           dtype=a.dtype, llm_kwargs=GPU_VLLM, work_dir=w / "vllm-work")
+        opts = {"enforce_eager": True, **GPU_VLLM}
+    else:
+        from eaglepipe.engines.sglang import serve_eagle3
+
+        res = serve_eagle3(w / "target", w / "export" / "sglang", ids, K, a.max_new, batch_sizes=bs,
+                           dtype=a.dtype, engine_kwargs=GPU_SGLANG, log_level="warning")
+        opts = GPU_SGLANG
+    res["outputs_draft"] = [list(o) for o in res["outputs_draft"]]
+    res["outputs_plain"] = [list(o) for o in res["outputs_plain"]]
+    _write(Path(a.out), f"serve_{a.engine}.json", {"engine": a.engine, "dtype": a.dtype, "engine_options": opts,
+                                                   "prompt_ids": [p["id"] for p in prompts], **res, **_gpu()})
+
+
+def reference(a) -> None:
+    """The reference decoder (eaglepipe.specdec through evaluate.reference_eval) on the same prompts."""
+    from eaglepipe.evaluate import reference_eval
+    from eaglepipe.specdec import greedy_generate  # noqa: F401  (imported for the record of what ran)
+
+    w, prompts = Path(a.work), _prompts(a)
+    res = reference_eval(w / "target", w / "drafter", LAYERS, prompts, K, a.max_new)
+    _write(Path(a.out), "reference.json", {"engine": "reference", "dtype": "float32",
+                                           "prompt_ids": [p["id"] for p in prompts], **res, **_gpu()})
+
+
+def extract_step(a) -> None:
+    """Regenerate + capture the carried training conversations with one engine; tokens/s as reports/extract."""
+    from dataclasses import asdict
+
+    from eaglepipe.extract import extract
+    from eaglepipe.params import ExtractParams
+    from eaglepipe.prompts import read_jsonl
+    from eaglepipe.target import read_info
+
+    w = Path(a.work)
+    info = read_info(w / "target")
+    convs = read_jsonl(Path(a.inputs) / "prompts" / "train.jsonl")[: a.n]
+    p = ExtractParams(engine=a.engine, regenerate=True, max_new_tokens=192, batch_size=96, max_length=1024,
+                      dtype="bfloat16", shard_size=64)
+    out = w / f"features-{a.engine}"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    manifest, stats = extract(convs, w / "target", info, LAYERS, p, out, w / f"scratch-{a.engine}", "h200")
+    _write(Path(a.out), f"extract_{a.engine}.json", {"engine": a.engine, "engine_version": manifest["engine_version"],
+                                                     "conversations": len(convs), "wall_s": time.perf_counter() - t0,
+                                                     **asdict(stats), **_gpu()})
+
+
+def _check(engine_name: str, target: Path, features: Path, layers: list[int], planted=None, **opts) -> dict:
+    """validate_offsets' check (eaglepipe.validate.check_offsets) through a real engine; ``planted`` replaces
+    the exporter's id translation (a function boundaries → ids) to show what the gate says of wrong ids."""
+    from eaglepipe import convention, validate
+    from eaglepipe.engines import get_engine
+    from eaglepipe.features import FeatureSet
+    from eaglepipe.target import read_info
+
+    info = read_info(target, hash_weights=False)
+    fs = FeatureSet(features)
+    real = convention.engine_ids
+    if planted is not None:
+        validate.convention.engine_ids = lambda eng, fam, ks, n, *r, **k: planted(ks) if eng == engine_name \
+            else real(eng, fam, ks, n, *r, **k)
+    try:
+        with get_engine(engine_name, target, **opts) as e:
+            rep = validate.check_offsets(e, info.family, info.n_layers, fs.layers, fs.take(2), 2, 0.999)
+    finally:
+        validate.convention.engine_ids = real
+    return {"ok": rep.ok, "message": rep.message(), "compact": rep.compact(), "report": rep.to_json(),
+            "ids": [r.engine_id for r in rep.layers]}
+
+
+def validate_step(a) -> None:
+    """Item 3: framework vllm / sglang validate_offsets on the H200, on the features vLLM extracted."""
+    w = Path(a.work)
+    opts = {"llm_kwargs": GPU_VLLM} if a.engine == "vllm" else {"engine_kwargs": GPU_SGLANG}
+    res = _check(a.engine, w / "target", w / "features-vllm", LAYERS, dtype="float32", **opts)
+    _write(Path(a.out), f"validate_{a.engine}.json", {"engine": a.engine, "features": "vllm", **res, **_gpu()})
+
+
+def seeds(a) -> None:
+    """Item 5, the seeds' case: kimi_k2 target, features by vLLM, SGLang's capture and serving."""
+    w = Path(a.work) / "seeds"
+    if a.engine == "vllm":
+        from eaglepipe.export import export_all
+        from eaglepipe.extract import extract
+        from eaglepipe.params import ExtractParams, TrainParams
+        from eaglepipe.target import materialize_target
+        from eaglepipe.tiny_targets import build
+        from eaglepipe.train import train_drafter
+        from benchmarks.support_matrix import _conversations
+
+        shutil.rmtree(w, ignore_errors=True)
+        info = materialize_target(str(build("kimi_k2", w / "src")), w / "target")
+        p = ExtractParams(engine="vllm", regenerate=False, batch_size=4, max_length=64, dtype="bfloat16",
+                          engine_dtype="bfloat16", shard_size=8)  # vLLM's CUDA MLA kernels have no fp32
+        manifest, _ = extract(_conversations(16), w / "target", info, SEEDS_LAYERS, p, w / "features",
+                              w / "scratch", "seeds")
+        tp = TrainParams(draft_vocab_size=64, epochs=2, batch_tokens=256, warmup_steps=1, eval_fraction=0.25)
+        train_drafter(w / "features", w / "target", w / "drafter", tp, scratch_dir=w / "scratch_train")
+        verdict = export_all(w / "drafter", w / "target", w / "export", SEEDS_LAYERS, "vllm")
+        _write(Path(a.out), "seeds_vllm.json", {"family": info.family, "n_layers": info.n_layers,
+                                                "source_model_type": "kimi_k2", "features_engine": manifest["engine"],
+                                                "features_engine_version": manifest["engine_version"],
+                                                "export": verdict, **_gpu()})
+        return
+    from eaglepipe import convention
+
+    exported_cfg = json.loads((w / "export" / "sglang" / "config.json").read_text())
+    exported_ids = convention.config_ids(exported_cfg, "sglang")[0]
+    ok = _check("sglang", w / "target", w / "features", SEEDS_LAYERS, dtype="bfloat16", engine_kwargs=GPU_SGLANG,
+                max_total_tokens=2048)
+    # The seeds' ids: "id i = output of decoder layer i" (what an exporter that writes Llama's SGLang ids
+    # writes: boundary k → id k-1), read by SGLang's DeepSeek first-id rule, which adds +1 only when ids[0]==1.
+    bad = _check("sglang", w / "target", w / "features", SEEDS_LAYERS, planted=lambda ks: [k - 1 for k in ks],
+                 dtype="bfloat16", engine_kwargs=GPU_SGLANG, max_total_tokens=2048)
+    served = None
+    try:
+        from eaglepipe.engines.sglang import serve_eagle3
+        from benchmarks.support_matrix import _conversations
+        from eaglepipe.template import generation_prompt
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(w / "target")
+        prompts = [generation_prompt(tok, c["messages"][:1]) for c in _conversations(8)]
+        served = serve_eagle3(w / "target", w / "export" / "sglang", prompts, K, 32, dtype="bfloat16",
+                              engine_kwargs=GPU_SGLANG, max_total_tokens=2048)
+        served.pop("outputs_draft"), served.pop("outputs_plain")
+    except Exception as e:  # noqa: BLE001 — recorded with its error, the offsets above stand on their own
+        served = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+    _write(Path(a.out), "seeds_sglang.json", {"exported_ids": exported_ids, "exported": ok,
+                                              "planted_ids": bad["ids"], "planted": bad, "served": served, **_gpu()})
+
+
+def merge(a) -> None:
+    """HERE: the device's step files (``--out``) → the committed benchmarks/h200/*.json."""
+    src, dst = Path(a.out), REPO / "benchmarks" / "h200"
+    load = lambda n: json.loads((src / n).read_text()) if (src / n).exists() else None  # noqa: E731
+    fields = ("tau", "acceptance_per_pos", "outputs_equal", "engine_version", "tokens_per_s_draft",
+              "tokens_per_s_plain", "speedup", "startup_s_draft", "startup_s_plain", "dtype", "engine_options",
+              "tau_sglang_accept_length", "accept_rate", "drafts", "accepted_tokens", "verify_steps", "device",
+              "prompts_equal", "rounds", "new_tokens")
+    out = {"produced_by": "scripts/gpu_engines/suite.sh + python benchmarks/h200_engines.py merge", "k": K}
+    for name, f in (("vllm", "serve_vllm.json"), ("sglang", "serve_sglang.json"), ("reference", "reference.json")):
+        r = load(f)
+        if r is None:
+            out[name] = {"not_run": f"{f} did not come back"}
+            continue
+        row = {k: r[k] for k in fields if k in r}
+        if name == "reference":
+            row["engine_version"] = "eaglepipe specdec (HF transformers target, fp32)"
+            row["speedup_bs1"], row["speedup_bs8"] = r.get("speedup"), None
+        else:
+            by = r.get("by_batch_size", {})
+            row["speedup_bs1"] = by.get("1", {}).get("speedup")
+            row["speedup_bs8"] = by.get("8", {}).get("speedup")
+            row["by_batch_size"] = by
+            row["outputs"] = {"draft": r["outputs_draft"], "plain": r["outputs_plain"]}
+        row["prompt_ids"] = r.get("prompt_ids")
+        out[name] = row
+    out["prompts"] = (load("serve_vllm.json") or load("serve_sglang.json") or {}).get("prompt_ids")
+    (dst / "serve_eval.json").write_text(json.dumps(out, indent=2) + "\n")
+    seeds_s, seeds_v = load("seeds_sglang.json"), load("seeds_vllm.json")
+    if seeds_s:
+        (dst / "offsets_sglang_deepseek.json").write_text(json.dumps({"target": seeds_v, **seeds_s}, indent=2) + "\n")
+    ex = {e: load(f"extract_{e}.json") for e in ("hf", "vllm")}
+    val = {e: load(f"validate_{e}.json") for e in ("vllm", "sglang")}
+    (dst / "extract_engines.json").write_text(json.dumps({"extract": ex, "validate_offsets": val}, indent=2) + "\n")
+    print(json.dumps({k: {f: v.get(f) for f in ("tau", "speedup_bs1", "speedup_bs8", "outputs_equal")}
+                      for k, v in out.items() if isinstance(v, dict)}, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=["prep", "serve", "reference", "extract", "validate", "seeds", "merge"])
+    ap.add_argument("engine", nargs="?", default=None)
+    ap.add_argument("--work", default="/tmp/w")
+    ap.add_argument("--inputs", default="/tmp/eng/inputs")
+    ap.add_argument("--out", default="/tmp/out")
+    ap.add_argument("--prompts", type=int, default=32, help="MT-bench first turns served")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--n", type=int, default=128, help="training conversations extracted")
+    a = ap.parse_args()
+    steps = {"prep": prep, "serve": serve, "reference": reference, "extract": extract_step,
+             "validate": validate_step, "seeds": seeds, "merge": merge}
+    steps[a.step](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Served-τ arithmetic shared by the engines: batch groups, per-batch-size results, SGLang's own counters."""
+
+import pytest
+
+from eaglepipe.engines.base import by_batch_size, groups
+from eaglepipe.engines.sglang import spec_acceptance
+
+
+def test_groups_split_in_order():
+    assert groups([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+    assert groups([1, 2, 3], None) == [[1, 2, 3]]
+    assert groups([1, 2, 3], 1) == [[1], [2], [3]]
+    with pytest.raises(ValueError, match="batch size"):
+        groups([1], 0)
+
+
+def test_by_batch_size_keeps_first_and_all_equal():
+    a = {"tau": 1.5, "speedup": 1.2, "outputs_equal": True, "tokens_per_s_draft": 12.0, "other": 1}
+    b = {"tau": 1.4, "speedup": 1.1, "outputs_equal": False, "tokens_per_s_draft": 30.0, "other": 2}
+    out = by_batch_size([a, b], (1, 8))
+    assert out["tau"] == 1.5 and out["other"] == 1
+    assert out["by_batch_size"] == {"1": {"tau": 1.5, "speedup": 1.2, "outputs_equal": True, "tokens_per_s_draft": 12.0},
+                                    "8": {"tau": 1.4, "speedup": 1.1, "outputs_equal": False, "tokens_per_s_draft": 30.0}}
+    assert out["outputs_equal"] is False  # one batch size differed
+    assert "by_batch_size" not in by_batch_size([a], (None,))
+
+
+def test_sglang_counters_give_reference_definitions():
+    # two requests, k = 3. Request 1: 4 verify steps accepting 0, 1, 3, 3 drafts; request 2: 2 steps, 2 and 0.
+    meta = [
+        {"spec_verify_ct": 4, "spec_num_correct_drafts": 7, "spec_num_proposed_drafts": 12, "completion_tokens": 12,
+         "spec_correct_drafts_histogram": [1, 1, 0, 2]},
+        {"spec_verify_ct": 2, "spec_num_correct_drafts": 2, "spec_num_proposed_drafts": 6, "completion_tokens": 5,
+         "spec_accept_histogram": [1, 0, 1]},  # the older alias, a shorter list
+    ]
+    r = spec_acceptance(meta, 3)
+    assert r["tau"] == pytest.approx(1 + 9 / 6)  # tokens per target forward, prefill not counted
+    assert r["tau_sglang_accept_length"] == pytest.approx(17 / 6)  # SGLang's own (counts the prefill token)
+    # steps accepting ≥1: 1+0+2 + 0+1 = 4 of 6; ≥2: 2+1 = 3; ≥3: 2
+    assert r["acceptance_per_pos"] == pytest.approx([4 / 6, 3 / 6, 2 / 6])
+    assert r["accept_rate"] == pytest.approx(9 / 18) and r["verify_steps"] == 6 and r["histogram_steps"] == 6
+    # τ = 1 + Σ acceptance per position when every step is in the histogram
+    assert r["tau"] == pytest.approx(1 + sum(r["acceptance_per_pos"]))
