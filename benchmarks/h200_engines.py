@@ -45,7 +45,7 @@ def _write(out: Path, name: str, obj: dict) -> None:
 def _gpu() -> dict:
     import torch
 
-    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
 
 
 def prep(a) -> None:

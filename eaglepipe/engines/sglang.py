@@ -44,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -55,6 +56,7 @@ import torch
 from .. import convention
 from ..errors import CaptureMismatch, ConventionError, EaglepipeError
 from .base import Engine, by_batch_size, groups as _groups, serve_summary
+from .sglang_probe import capture_server_args
 
 log = logging.getLogger(__name__)
 
@@ -332,12 +334,9 @@ class SGLangEngine(Engine):
         recorded = sorted(set(ids) | set(self.capture_ids))
         if not self._same_meaning(ids, recorded):
             recorded = list(ids)
-        self._start(
-            ("capture", tuple(recorded)),
-            enable_return_aux_hidden_states=True,
-            speculative_algorithm="EAGLE3",  # in capture-only mode: names the capture convention only
-            return_aux_hidden_state_layer_ids=recorded,
-        )
+        # SGLang's capture-only EAGLE-3 mode where it exists (0.5.23), else EAGLE-3 with a probe draft (0.5.17)
+        self._start(("capture", tuple(recorded)), **capture_server_args(
+            self.target_dir, recorded, Path(tempfile.gettempdir()) / "eaglepipe-sglang", self.dtype))
         return recorded
 
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
