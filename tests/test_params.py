@@ -47,9 +47,20 @@ def test_bad_params_are_named(patch, expect):
 
 
 def test_layers_outside_target():
-    check_layers_against_target([0, 15, 30], 30)
-    with pytest.raises(ParamsError, match=r"\[31\] outside \[0, 30\]"):
+    check_layers_against_target([0, 15, 29], 30)
+    with pytest.raises(ParamsError, match=r"\[31\] outside \[0, 29\]"):
         check_layers_against_target([2, 15, 31], 30)
+
+
+def test_layer_n_is_refused_the_teacher_captures_it():
+    """h[N] is captured anyway for the target-head teacher: as an aux layer too, extract would capture it twice."""
+    with pytest.raises(ParamsError) as e:
+        check_layers_against_target([0, 15, 30], 30)
+    assert str(e.value) == (
+        "params.yaml: 'layers' = [0, 15, 30]: h[30] is the last layer's output (N = 30), which extract captures "
+        "anyway as the teacher's input (final norm -> lm_head), so it cannot also be an aux layer; the largest "
+        "usable boundary is 29 (N-1)"
+    )
 
 
 def test_stage_exits_nonzero_and_writes_nothing(tmp_path):
@@ -62,3 +73,30 @@ def test_stage_exits_nonzero_and_writes_nothing(tmp_path):
     assert r.returncode == 2
     assert "'layers' = [27, 2]: [27, 2] is not ascending" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+def test_layer_n_refused_at_extracts_start_with_exit_2(tmp_path):
+    """The first stage that reads `layers` and knows N (extract; target does not read `layers`) refuses h[N]
+    with exit 2 before any work: no generation, no scratch, no features, no metrics."""
+    from eaglepipe.tiny_targets import build
+
+    raw = defaults()
+    raw["target"]["source"] = str(build("llama", tmp_path / "src"))  # N = 6
+    raw["layers"] = [2, 3, 6]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "data/target", "target.json"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr  # the target stage does not read `layers` (dvc.yaml: params [target])
+    (tmp_path / "train.jsonl").write_text(
+        '{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}\n')
+    r = subprocess.run([sys.executable, str(REPO / "stages/extract.py"), "data/target", "train.jsonl",
+                        "data/features", "extract.json"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert ("error: params.yaml: 'layers' = [2, 3, 6]: h[6] is the last layer's output (N = 6), which extract "
+            "captures anyway as the teacher's input (final norm -> lm_head), so it cannot also be an aux layer; "
+            "the largest usable boundary is 5 (N-1)") in r.stderr
+    assert "Traceback" not in r.stderr and "duplicates" not in r.stderr
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["target"]  # no .scratch, no features
+    assert not (tmp_path / "extract.json").exists()
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert "layers" not in dvc["target"]["params"] and "layers" in dvc["extract"]["params"]

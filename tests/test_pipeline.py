@@ -98,4 +98,4 @@ def test_dvc_repro_to_the_end_then_layer_sweep_is_refused_cleanly(repo):
     assert json.loads((repo / "data/export/vllm/config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     # an out-of-range layer is refused before any work, naming the key
     r = dvc(repo, "exp", "run", "-S", "layers=[2,15,31]")
-    assert r.returncode != 0 and "[31] outside [0, 30]" in r.stdout + r.stderr
+    assert r.returncode != 0 and "[31] outside [0, 29]" in r.stdout + r.stderr
