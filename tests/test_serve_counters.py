@@ -41,3 +41,29 @@ def test_sglang_counters_give_reference_definitions():
     assert r["accept_rate"] == pytest.approx(9 / 18) and r["verify_steps"] == 6 and r["histogram_steps"] == 6
     # τ = 1 + Σ acceptance per position when every step is in the histogram
     assert r["tau"] == pytest.approx(1 + sum(r["acceptance_per_pos"]))
+
+
+def test_sglang_probe_draft_makes_sglang_read_the_ids(tmp_path):
+    """The probe draft for SGLang without a capture-only mode: the ids SGLang reads, an fc that takes them."""
+    import json
+
+    from safetensors import safe_open
+
+    from eaglepipe import convention
+    from eaglepipe.engines.sglang_probe import capture_server_args, has_capture_only_mode, probe_draft
+    from eaglepipe.tiny_targets import build
+
+    target = build("llama", tmp_path / "t")
+    cfg = json.loads((target / "config.json").read_text())
+    h = cfg["hidden_size"]
+    out = probe_draft(target, [1, 3, 4, 5], tmp_path / "w")
+    dcfg = json.loads((out / "config.json").read_text())
+    assert convention.config_ids(dcfg, "sglang") == ([1, 3, 4, 5], convention.NESTED_FIELD)
+    assert dcfg["num_aux_hidden_states"] == 4 and dcfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert tuple(f.get_slice("fc.weight").get_shape()) == (h, 4 * h)
+        assert tuple(f.get_slice("lm_head.weight").get_shape()) == (cfg["vocab_size"], h)
+    assert probe_draft(target, [1, 3, 4, 5], tmp_path / "w") == out  # written once per (target, ids)
+    # the installed SGLang (0.5.23) has the capture-only mode: no probe is used there
+    assert has_capture_only_mode()
+    assert capture_server_args(target, [2], tmp_path / "w", "float32")["return_aux_hidden_state_layer_ids"] == [2]

@@ -28,13 +28,15 @@ import torch
 def has_capture_only_mode() -> bool:
     """Does the installed SGLang accept ``enable_return_aux_hidden_states`` (0.5.23: yes, 0.5.17: no)?
 
-    Read from srt/server_args.py without importing sglang (the calling process never imports it).
+    Read from the server-argument sources (srt/server_args.py; 0.5.23 declares fields in srt/arg_groups/)
+    without importing sglang (the calling process never imports it).
     """
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         return False
-    src = Path(list(spec.submodule_search_locations)[0]) / "srt" / "server_args.py"
-    return src.is_file() and "enable_return_aux_hidden_states" in src.read_text()
+    srt = Path(list(spec.submodule_search_locations)[0]) / "srt"
+    sources = [srt / "server_args.py", *sorted((srt / "arg_groups").glob("*.py"))]
+    return any(f.is_file() and "enable_return_aux_hidden_states" in f.read_text() for f in sources)
 
 
 def probe_draft(target_dir: Path, ids: list[int], work_dir: Path, dtype: str = "float32") -> Path:

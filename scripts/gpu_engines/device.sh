@@ -18,7 +18,7 @@ case ${1:-} in
     (cd $E && grep "  $s.tar\$" MANIFEST.sha256 | sha256sum -c -)
     rm -f $E/$s.tar.part*
     rm -rf $E/$s; mkdir -p $E/$s $site; tar -xf $E/$s.tar -C $E/$s; rm -f $E/$s.tar
-    if [ "$s" = inputs ]; then rm -rf $site; mv $E/$s $site; echo "inputs in $site: $(ls $site)"; exit 0; fi
+    if [ "$s" = inputs ]; then echo "inputs in $site: $(ls $site)"; exit 0; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $E/$s/wheels/*.whl
     for t in $E/$s/*-tree.tar.xz; do tar -xJf "$t" -C $site; done   # pruned wheel trees = site-packages layout
     echo "installed stage $s into $site: $(du -sm $site | cut -f1) MiB" ;;

@@ -5,7 +5,8 @@
 #   suite.sh setup      install vllm, sglang, inputs; check.py for both engines (in parallel); prep the target
 #   suite.sh serve-vllm | serve-sglang     EAGLE-3 vs plain, batch 1 and 8, MT-bench first turns
 #   suite.sh seeds      item 5: kimi_k2 target, vLLM features, SGLang offsets (exported + planted) and serving;
-#                       starts the reference decoder in the background (setsid), collected by `extract`
+#                       starts the reference decoder in the background (setsid; its tokens/s are measured
+#                       beside this step's GPU work), collected by `extract`, which waits for it first
 #   suite.sh extract    item 3: extract through hf and vLLM (tokens/s), validate_offsets through vLLM and SGLang
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64)
 set -uo pipefail
@@ -32,6 +33,8 @@ case ${1:-} in
     (venv vllm; $B seeds vllm 2>&1 | tee "$OUT/seeds_vllm.log" | grep -v "it/s\]") &&
     (venv sglang; $B seeds sglang 2>&1 | tee "$OUT/seeds_sglang.log" | grep -v "it/s\]") ;;
   extract)
+    # the reference decoder (started by `seeds`) must be done before anything here is timed
+    for _ in $(seq 60); do [ -f /tmp/ref/reference.json ] || ! pgrep -f "h200_engines.py.*reference" >/dev/null && break; sleep 5; done
     (venv vllm; $B extract hf 2>&1 | tee "$OUT/extract_hf.log" | tail -3)
     (venv vllm; $B extract vllm 2>&1 | tee "$OUT/extract_vllm.log" | tail -3)
     (venv vllm; $B validate vllm 2>&1 | tee "$OUT/validate_vllm.log" | tail -3)
