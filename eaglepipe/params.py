@@ -12,9 +12,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .engine_table import NAMES as ENGINE_NAMES
 from .errors import ParamsError
 
-Engine = Literal["hf", "vllm", "sglang"]
+Engine = Literal[ENGINE_NAMES]  # "hf" | "vllm" | "sglang" (eaglepipe/engine_table.py)
 
 
 class _Strict(BaseModel):

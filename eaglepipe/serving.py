@@ -13,9 +13,9 @@ import itertools
 from dataclasses import asdict, dataclass, field
 
 from . import convention
+from .engine_table import SERVING as SERVING_ENGINES
 from .errors import ConventionError, ParamsError
 
-SERVING_ENGINES = ("vllm", "sglang")
 SEARCH = 2  # each boundary may move by up to this much in the nearest-list search
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..engine_table import installed_version
+
 
 class Engine(ABC):
     """A target model loaded in one engine.
@@ -28,9 +30,9 @@ class Engine(ABC):
         self.dtype = dtype
 
     @property
-    @abstractmethod
     def version(self) -> str:
-        """The engine's package version (recorded in manifests and metrics)."""
+        """The engine's package version (recorded in manifests and metrics; eaglepipe/engine_table.py)."""
+        return installed_version(self.name)
 
     @abstractmethod
     def generate(

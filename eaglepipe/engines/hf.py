@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from importlib.metadata import version as pkg_version
 
 import torch
 
@@ -71,10 +70,6 @@ class HFEngine(Engine):
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-
-    @property
-    def version(self) -> str:
-        return pkg_version("transformers")
 
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:

