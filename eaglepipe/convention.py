@@ -519,3 +519,29 @@ def write_draft_ids(
         "engines": engines,
     }
     return out
+
+
+# --- capture instances ------------------------------------------------------------------------------------
+
+
+def same_meaning(
+    engine: str, family: str, ids: list[int], recorded: list[int], n_layers: int, version: str | None = None
+) -> bool:
+    """Do engine ``ids`` mean the same boundaries when read inside the list ``recorded`` as when fed alone?
+
+    Engines fix capture ids when an instance starts; a running instance that records ``recorded`` can serve
+    a capture of ``ids`` only when ``ids`` ⊆ ``recorded`` and each id keeps its meaning there. Rules that read
+    a list as a whole (SGLang DeepSeek's first id, gpt_oss's ``max(ids) == N``) may give an id another
+    boundary inside a superset. False for ids that are no subset or that either reading refuses.
+    """
+    ids, recorded = sorted(ids), sorted(recorded)  # both engines capture in ascending id order
+    if ids == recorded:
+        return True
+    if not set(ids) <= set(recorded):
+        return False
+    try:
+        alone = boundaries_of(engine, family, ids, n_layers, version)
+        within = dict(zip(recorded, boundaries_of(engine, family, recorded, n_layers, version)))
+    except ConventionError:
+        return False
+    return [within[i] for i in ids] == alone

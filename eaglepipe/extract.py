@@ -132,7 +132,7 @@ def extract(
         if writer.done(i):
             continue
         if engine is None:
-            engine = get_engine(p.engine, target_dir, dtype=p.engine_dtype, batch_size=p.batch_size)
+            engine = get_engine(p.engine, target_dir, dtype=p.engine_dtype, batch_size=p.batch_size, info=info)
             version = engine.version
         if p.regenerate:
             tg = time.perf_counter()

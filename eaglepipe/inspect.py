@@ -29,6 +29,7 @@ from . import convention as conv
 from .engine_table import SERVING
 from .errors import ConventionError, EaglepipeError
 from .target import target_family
+from .target_config import read_target_config
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,7 @@ def _load_json(path: Path) -> dict:
 
 def load_target_config(target: str | Path | dict) -> dict:
     """A target ``config.json`` dict from a dict, a folder holding config.json, or a .json file."""
-    if isinstance(target, dict):
-        return target
-    path = Path(target)
-    return _load_json(path / "config.json" if path.is_dir() else path)
+    return target if isinstance(target, dict) else read_target_config(target)
 
 
 def safetensors_header(path: Path) -> dict:

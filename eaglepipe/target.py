@@ -18,6 +18,7 @@ from pathlib import Path
 from . import convention
 from .errors import ConventionError, ParamsError
 from .rope import rope_parameters
+from .target_config import lm_fields, read_target_config
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,9 @@ class TargetInfo:
     """What later stages need to know about the target (also ``metrics/target.json``).
 
     n_layers is N (decoder layers), so boundaries run over 0..N. ``family`` is the one answer to "which
-    layer-id rules apply" (:func:`eaglepipe.convention.family_of`), read by extract, validate, export,
-    inspect and the engines; ``rope`` is the RoPE the draft copies (:func:`eaglepipe.rope.rope_parameters`).
+    layer-id rules apply" (:func:`eaglepipe.convention.family_of`), read by extract, validate, export
+    and the engines; ``rope`` is the RoPE the draft copies (:func:`eaglepipe.rope.rope_parameters`). Built
+    by :func:`read_info` from the one reader of the target's config.json (:mod:`eaglepipe.target_config`).
     """
 
     source: str
@@ -83,8 +85,8 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
     Raises ParamsError (a target problem, exit code 2): an unknown family or a RoPE the draft cannot copy.
     """
     folder = Path(folder)
-    full = json.loads((folder / "config.json").read_text())
-    cfg = full.get("text_config", full)  # multimodal wrappers (gemma3) keep the LM fields there
+    full = read_target_config(folder)
+    cfg = lm_fields(full)  # multimodal wrappers (gemma3) keep the LM fields there
     tok_cfg = folder / "tokenizer_config.json"
     has_template = (folder / "chat_template.jinja").exists() or (
         tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text())
@@ -93,8 +95,8 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
         source=source,
         model_type=cfg["model_type"],
         family=target_family(full),
-        n_layers=int(cfg["num_hidden_layers"]),
-        hidden_size=int(cfg["hidden_size"]),
+        n_layers=convention.n_layers_of(full),
+        hidden_size=convention.hidden_size_of(full),
         vocab_size=int(cfg["vocab_size"]),
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype")),
         has_chat_template=has_template,
@@ -119,7 +121,7 @@ def _load_config(folder: Path):
     """
     from transformers import AutoConfig
 
-    raw = json.loads((folder / "config.json").read_text())
+    raw = read_target_config(folder)
     model_type = raw.get("model_type")
     if model_type in LOAD_AS:
         as_type, why = LOAD_AS[model_type]

@@ -56,7 +56,8 @@ from .draft import DraftConfig, Eagle3Draft, n_params, save_draft
 from .errors import EaglepipeError, TrainingError
 from .features import FeatureSample, FeatureSet, SampleRef, non_finite, run_key
 from .params import TrainParams
-from .target_head import load_target_config, load_target_head, soft_targets
+from .target_config import read_target_config
+from .target_head import load_target_head, soft_targets
 from .ttt import Batch, TTTResult, TTTUnroll, compile_draft, tau_sim
 from .vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 
@@ -434,7 +435,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     (a sample longer than train.batch_tokens, non-finite features), FeatureStoreError (damaged shard).
     """
     features_dir = Path(features_dir)
-    target_cfg = load_target_config(target_dir)
+    target_cfg = read_target_config(target_dir)
     head = load_target_head(target_dir)
     n_aux = len(FeatureSet(features_dir).layers)
     cfg = DraftConfig.from_target(target_cfg, n_aux=n_aux, draft_vocab_size=p.draft_vocab_size)

