@@ -23,7 +23,7 @@ SGLang instance ("mode") runs at a time:
   superset gives every requested id the same meaning (:func:`eaglepipe.convention.same_meaning` decides).
 - ``("generate",)``: a plain instance. ``generate`` reuses a running capture instance instead of starting
   one (capture-only mode records aux states but leaves sampling untouched).
-- EAGLE-3 serving (:func:`serve_eagle3`): CUDA only — SGLang's EAGLE-3 worker needs its GPU kernels
+- EAGLE-3 serving (:meth:`Engine.serve_eagle3`, measured in :mod:`.serve`): CUDA only — SGLang's EAGLE-3 worker needs its GPU kernels
   (tree building/verification, draft KV bookkeeping: the ``*_cpu`` ops of sgl_kernel that the shim
   refuses).
 """
@@ -45,8 +45,10 @@ from pathlib import Path
 import torch
 
 from .. import convention
-from ..errors import CaptureMismatch, ConventionError, EaglepipeError
-from .base import Engine, by_batch_size, groups as _groups, serve_summary
+from ..errors import CaptureMismatch, ConventionError, EaglepipeError, ServingUnavailable
+from . import serve
+from .base import Engine
+from .serve import groups
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,10 @@ _SHIM_ENV = "EAGLEPIPE_SGLANG_CPU_SHIM"
 
 class SGLangError(EaglepipeError):
     """SGLang failed inside its worker; the message carries the worker's traceback."""
+
+
+class SGLangServingUnavailable(SGLangError, ServingUnavailable):
+    """SGLang's EAGLE-3 serving needs CUDA (its sgl_kernel GPU kernels); raised before anything starts."""
 
 
 # ------------------------------------------------------------------------------------------ the worker
@@ -372,7 +378,7 @@ class SGLangEngine(Engine):
         self._start(mode, **server_args)
         self._call("generate", prompts=[list(prompts[0])], sampling_params=self._sampling(1, 1, 0.0, 0))
         res = {"outputs": [], "meta": [], "seconds": 0.0}
-        for group in _groups(prompts, batch_size):
+        for group in groups(prompts, batch_size):
             r = self._call("generate", prompts=[list(map(int, p)) for p in group],
                            sampling_params=self._sampling(len(group), max_new_tokens, 0.0, 0))
             res = {"outputs": res["outputs"] + r["outputs"], "meta": res["meta"] + r["meta"],
@@ -381,81 +387,37 @@ class SGLangEngine(Engine):
         return {**res, "tokens": n, "tokens_per_s": n / res["seconds"], "startup_s": self.startup_s[mode[0]],
                 "batch_size": batch_size}
 
+    # ---------------------------------------------------------------- serving (eaglepipe/engines/serve.py)
 
-def eagle3_server_args(draft_dir: str | Path, k: int) -> dict:
-    """SGLang server arguments that serve ``draft_dir`` with EAGLE-3, k drafted tokens per step (a chain)."""
-    return {
-        "speculative_algorithm": "EAGLE3",
-        "speculative_draft_model_path": str(draft_dir),
-        "speculative_num_steps": k,  # draft forward passes per step
-        "speculative_eagle_topk": 1,  # a chain, not a tree: comparable with vLLM's k
-        "speculative_num_draft_tokens": k + 1,  # the verified block: last accepted token + k drafts
-    }
+    def eagle3_args(self, draft_dir: str | Path, k: int) -> dict:
+        """SGLang's EAGLE-3 server arguments; raises SGLangServingUnavailable without CUDA."""
+        if not torch.cuda.is_available():
+            raise SGLangServingUnavailable(
+                "EAGLE-3 serving with SGLang needs CUDA: its EAGLE worker builds and verifies draft trees and "
+                "keeps the draft's KV with sgl_kernel GPU kernels, whose CPU builds are not published (see "
+                "eaglepipe/engines/sgl_kernel_cpu_shim.py). Run serve_eval for sglang on a CUDA machine."
+            )
+        return serve.sglang_server_args(draft_dir, k)
+
+    def spec_figures(self, run: dict, k: int) -> dict:
+        return serve.spec_acceptance(run["meta"], k)
+
+
+eagle3_server_args = serve.sglang_server_args  # the import paths of benchmarks/ and tests/ keep working
+spec_acceptance = serve.spec_acceptance
 
 
 def serve_eagle3(
     target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
     engine: SGLangEngine | None = None, batch_sizes: tuple = (None,), **engine_opts,
 ) -> dict:
-    """Serve ``draft_dir`` with SGLang's EAGLE-3 (k drafted tokens per step) and the target without it; compare.
+    """:func:`eaglepipe.engines.serve.serve_eagle3` on SGLang (``engine_opts``: :class:`SGLangEngine`'s).
 
-    CUDA only: SGLang's EAGLE-3 worker needs its GPU kernels (on CPU the tree/verify/draft-KV ops are the
-    unpublished ``*_cpu`` kernels); raises SGLangError on a machine without CUDA. Both runs are greedy,
-    same prompts (token ids) and ``max_new_tokens``. From SGLang's own per-request ``meta_info``
-    (srt/managers/tokenizer_manager.py ``_calculate_spec_decoding_metrics``): τ = 1 + Σ spec_num_correct_drafts
-    / Σ spec_verify_ct (tokens per target forward, prefill not counted: the reference decoder's and vLLM's
-    definition), and acceptance at draft position i = verify steps that accepted ≥ i drafts / verify steps,
-    from ``spec_correct_drafts_histogram`` (index a = steps that accepted a drafts; a chain, topk 1).
-    SGLang's own ``spec_accept_length`` (completion_tokens / verify_ct, which counts the prefill's token)
-    is reported beside it as ``tau_sglang_accept_length``.
-
-    Args:
-        batch_sizes: concurrency levels to time on the same two instances (first = top-level figures).
-    Returns:
-        dict with k, tau, tau_sglang_accept_length, acceptance_per_pos, accept_rate (accepted drafts /
-        proposed), verify_steps, tokens_per_s_draft, tokens_per_s_plain, speedup, startup_s_draft,
-        startup_s_plain, outputs_draft, outputs_plain, outputs_equal, prompts, max_new_tokens,
-        engine_version, and ``by_batch_size`` when more than one batch size is timed.
+    CUDA only (:meth:`SGLangEngine.eagle3_args`); raises SGLangServingUnavailable before anything starts
+    on a machine without CUDA.
     """
-    if not torch.cuda.is_available():
-        raise SGLangError(
-            "EAGLE-3 serving with SGLang needs CUDA: its EAGLE worker builds and verifies draft trees and "
-            "keeps the draft's KV with sgl_kernel GPU kernels, whose CPU builds are not published (see "
-            "eaglepipe/engines/sgl_kernel_cpu_shim.py). Run serve_eval for sglang on a CUDA machine."
-        )
-    own = engine is None
-    engine = engine or SGLangEngine(target_dir, **engine_opts)
-    try:
-        args = eagle3_server_args(draft_dir, k)
-        d = [engine.generate_timed(prompts, max_new_tokens, batch_size=b, **args) for b in batch_sizes]
-        p = [engine.generate_timed(prompts, max_new_tokens, batch_size=b) for b in batch_sizes]
-    finally:
-        if own:
-            engine.close()
-    runs = [{**serve_summary(k, len(prompts), max_new_tokens, di, pi, engine.version), **spec_acceptance(di["meta"], k)}
-            for di, pi in zip(d, p)]
-    return by_batch_size(runs, batch_sizes)
-
-
-def spec_acceptance(meta: list[dict], k: int) -> dict:
-    """τ and acceptance per draft position from SGLang's per-request ``meta_info`` (see :func:`serve_eagle3`)."""
-    verify = sum(m.get("spec_verify_ct", 0) for m in meta)
-    correct = sum(m.get("spec_num_correct_drafts", 0) for m in meta)
-    proposed = sum(m.get("spec_num_proposed_drafts", 0) for m in meta)
-    completion = sum(m.get("completion_tokens", 0) for m in meta)
-    hist = [0] * (k + 1)  # hist[a] = verify steps that accepted a drafts
-    for m in meta:
-        for a, n in enumerate(m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram") or []):
-            hist[min(a, k)] += n
-    steps = max(sum(hist), 1)
-    return {
-        "tau": 1 + correct / max(verify, 1),
-        "tau_sglang_accept_length": completion / max(verify, 1),
-        "acceptance_per_pos": [sum(hist[i:]) / steps for i in range(1, k + 1)],
-        "accept_rate": correct / max(proposed, 1),
-        "verify_steps": verify,
-        "histogram_steps": sum(hist),
-    }
+    return serve.serve_eagle3("sglang", target_dir, draft_dir, prompts, k, max_new_tokens, engine, batch_sizes,
+                              **engine_opts)
 
 
 # ------------------------------------------------------------------------------------------ entry points

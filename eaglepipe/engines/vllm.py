@@ -14,7 +14,8 @@ one closes the other; two would not fit next to each other on a small CPU box):
   The layer ids are fixed when the instance starts; ``capture_ids`` declares a superset up front so that
   several ``capture`` calls with different ids share one start-up.
 - ``generate``: a plain instance, batched ``LLM.generate`` on token ids.
-- ``eagle3``: EAGLE-3 speculative decoding with an exported draft, stats on, for :func:`serve_eagle3`.
+- ``eagle3``: EAGLE-3 speculative decoding with an exported draft, stats on, for :meth:`Engine.serve_eagle3`
+  (the measurement itself: :mod:`.serve`).
 
 Environment: vLLM reads its settings from environment variables, partly in spawned worker processes, so
 :func:`vllm_env` sets them in ``os.environ`` before vLLM is imported or started (KV cache size, the cores
@@ -36,7 +37,9 @@ import torch
 
 from .. import convention
 from ..errors import CaptureMismatch
-from .base import Engine, by_batch_size, groups as _groups, serve_summary
+from . import serve
+from .base import Engine
+from .serve import counter_delta, groups, spec_counters
 
 log = logging.getLogger(__name__)
 
@@ -100,32 +103,6 @@ def _shutdown(llm) -> None:
         log.debug("vllm shutdown", exc_info=True)
     del llm
     gc.collect()
-
-
-def spec_counters(llm) -> dict:
-    """Cumulative speculative-decoding counters of a running ``LLM`` (needs ``disable_log_stats=False``).
-
-    Returns {"drafts", "draft_tokens", "accepted", "per_pos": list[int]} summed over label sets. They are
-    process-wide Prometheus counters: take differences of two snapshots around the requests of interest.
-    """
-    c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    for m in llm.get_metrics():
-        if m.name in names:
-            c[names[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            c["per_pos"] = _vadd(c["per_pos"], [int(v) for v in m.values])
-    return c
-
-
-def _vadd(a: list[int], b: list[int], sign: int = 1) -> list[int]:
-    """a + sign·b elementwise, the shorter one padded with zeros."""
-    n = max(len(a), len(b))
-    return [x + sign * y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 class VLLMEngine(Engine):
@@ -333,63 +310,27 @@ class VLLMEngine(Engine):
         self._run(llm, prompts[:1], self._params(1, 1, 0.0, 0))
         before = spec_counters(llm) if speculative_config else None
         outs, secs = [], 0.0
-        for group in _groups(prompts, batch_size):
+        for group in groups(prompts, batch_size):
             o, t = self._run(llm, group, self._params(len(group), max_new_tokens, 0.0, 0))
             outs, secs = outs + o, secs + t
-        counters = None
-        if speculative_config:
-            after = spec_counters(llm)
-            counters = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-            counters["per_pos"] = _vadd(after["per_pos"], before["per_pos"], -1)
+        counters = counter_delta(spec_counters(llm), before) if speculative_config else None
         n = sum(len(o) for o in outs)
         return {"outputs": outs, "seconds": secs, "tokens": n, "tokens_per_s": n / secs, "counters": counters,
                 "startup_s": self.startup_s.get(mode), "batch_size": batch_size}
+
+    # ---------------------------------------------------------------- serving (eaglepipe/engines/serve.py)
+
+    def eagle3_args(self, draft_dir: str | Path, k: int) -> dict:
+        return {"speculative_config": serve.vllm_speculative_config(draft_dir, k)}
+
+    def spec_figures(self, run: dict, k: int) -> dict:
+        return serve.vllm_acceptance(run["counters"], k)
 
 
 def serve_eagle3(
     target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
     engine: VLLMEngine | None = None, batch_sizes: tuple = (None,), **engine_opts,
 ) -> dict:
-    """Serve ``draft_dir`` with EAGLE-3 (k drafted tokens per step) and the same target without it; compare.
-
-    Both runs are greedy, same prompts (token ids), same ``max_new_tokens``. τ (mean acceptance length,
-    tokens produced per target forward) = 1 + accepted / drafts and the acceptance rate at each draft
-    position = accepted_per_pos[i] / drafts, all from vLLM's own spec-decode counters (differences of
-    ``get_metrics()`` snapshots around the timed requests).
-
-    Args:
-        engine: an engine on ``target_dir`` to use (its running instance is replaced); default: a new one,
-            closed at the end.
-        batch_sizes: concurrency levels to time, each on the same two instances (see
-            :meth:`VLLMEngine.generate_timed`); the top-level figures are those of the first.
-    Returns:
-        dict with k, tau, acceptance_per_pos, drafts, draft_tokens, accepted_tokens, tokens_per_s_draft,
-        tokens_per_s_plain, speedup, startup_s_draft, startup_s_plain, outputs_draft, outputs_plain,
-        outputs_equal, prompts, max_new_tokens, engine_version, and ``by_batch_size`` ({str(bs): the same
-        τ / speed / equality figures at that batch size}) when more than one batch size is timed.
-    """
-    own = engine is None
-    engine = engine or VLLMEngine(target_dir, **engine_opts)
-    try:
-        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-        d = [engine.generate_timed(prompts, max_new_tokens, spec, batch_size=b) for b in batch_sizes]
-        p = [engine.generate_timed(prompts, max_new_tokens, None, batch_size=b) for b in batch_sizes]
-    finally:
-        if own:
-            engine.close()
-    runs = [{**serve_summary(k, len(prompts), max_new_tokens, di, pi, engine.version), **_acceptance(di, k)}
-            for di, pi in zip(d, p)]
-    return by_batch_size(runs, batch_sizes)
-
-
-def _acceptance(run: dict, k: int) -> dict:
-    """τ and acceptance per position of one timed speculative run, from its vLLM counter differences."""
-    c = run["counters"]
-    drafts = max(c["drafts"], 1)
-    return {
-        "tau": 1 + c["accepted"] / drafts,
-        "acceptance_per_pos": [a / drafts for a in c["per_pos"][:k]],
-        "drafts": c["drafts"],
-        "draft_tokens": c["draft_tokens"],
-        "accepted_tokens": c["accepted"],
-    }
+    """:func:`eaglepipe.engines.serve.serve_eagle3` on vLLM (``engine_opts``: :class:`VLLMEngine`'s)."""
+    return serve.serve_eagle3("vllm", target_dir, draft_dir, prompts, k, max_new_tokens, engine, batch_sizes,
+                              **engine_opts)
