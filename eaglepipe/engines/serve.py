@@ -183,7 +183,8 @@ def spec_acceptance(meta: list[dict], k: int) -> dict:
     completion = sum(m.get("completion_tokens", 0) for m in meta)
     hist = [0] * (k + 1)  # hist[a] = verify steps that accepted a drafts
     for m in meta:
-        for accepted, count in enumerate(m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram") or []):
+        per_request = m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram") or []
+        for accepted, count in enumerate(per_request):
             hist[min(accepted, k)] += count
     steps = max(sum(hist), 1)
     return {

@@ -12,20 +12,18 @@ prompt token, the concatenated aux states (``[T, len(ids)·H]``) in place of the
 prefill with ``max_new_tokens=1`` (the sampled token is discarded); the radix cache is off, so every token
 is recomputed and captured.
 
-Processes: SGLang's ``Engine`` sets the global multiprocessing start method, installs signal handlers and
-starts a scheduler and a detokenizer process; on CPU it also needs the stand-ins of
-:mod:`.sgl_kernel_cpu_shim`. So it runs in a worker process of its own (``spawn``), driven through a pipe;
-the caller's process never imports sglang. The worker keeps sglang imported between instances; one
-SGLang instance ("mode") runs at a time:
+Processes: SGLang runs in a worker process of its own, driven through a pipe (:mod:`.sglang_worker`: why,
+and the protocol); the caller's process never imports sglang. The worker keeps sglang imported between
+instances; one SGLang instance ("mode") runs at a time:
 
 - ``("capture", ids)``: capture-only mode for exactly those ids. The ids are server arguments, so other ids
   need a new instance (~20–40 s on 2 cores) unless ``capture_ids`` declared a superset up front and the
   superset gives every requested id the same meaning (:func:`eaglepipe.convention.same_meaning` decides).
 - ``("generate",)``: a plain instance. ``generate`` reuses a running capture instance instead of starting
   one (capture-only mode records aux states but leaves sampling untouched).
-- EAGLE-3 serving (:meth:`Engine.serve_eagle3`, measured in :mod:`.serve`): CUDA only — SGLang's EAGLE-3 worker needs its GPU kernels
-  (tree building/verification, draft KV bookkeeping: the ``*_cpu`` ops of sgl_kernel that the shim
-  refuses).
+- EAGLE-3 serving (:meth:`Engine.serve_eagle3`, measured in :mod:`.serve`): CUDA only — SGLang's EAGLE-3
+  worker needs its GPU kernels (tree building/verification, draft KV bookkeeping: the ``*_cpu`` ops of
+  sgl_kernel that the shim refuses).
 """
 
 from __future__ import annotations
@@ -33,22 +31,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from .. import convention
-from ..errors import CaptureMismatch, ConventionError, EaglepipeError, ServingUnavailable
+from ..errors import ConventionError, ServingUnavailable
 from . import serve
 from .base import Engine
 from .serve import groups
+from .sglang_worker import SHIM_ENV, SGLangError, Worker, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -57,97 +51,9 @@ log = logging.getLogger(__name__)
 # through the stages (on the H200 without FA3: '{"attention_backend": "triton"}'); ``engine_kwargs`` wins.
 SERVER_ARGS_ENV = "EAGLEPIPE_SGLANG_ARGS"
 
-# Set to "1" in the worker's environment (inherited by SGLang's subprocesses) when the CPU stand-ins apply.
-_SHIM_ENV = "EAGLEPIPE_SGLANG_CPU_SHIM"
-
-
-class SGLangError(EaglepipeError):
-    """SGLang failed inside its worker; the message carries the worker's traceback."""
-
 
 class SGLangServingUnavailable(SGLangError, ServingUnavailable):
     """SGLang's EAGLE-3 serving needs CUDA (its sgl_kernel GPU kernels); raised before anything starts."""
-
-
-# ------------------------------------------------------------------------------------------ the worker
-
-
-def _hidden_rows(entries: list, n_tokens: int, rid: int) -> torch.Tensor:
-    """Prompt rows of SGLang's ``meta_info["hidden_states"]``: float32 [T, D].
-
-    SGLang appends one 2-D entry per prefill chunk (``[chunk_len, D]``) and one 1-D entry per decode step;
-    the prompt's rows are the 2-D entries in order.
-    """
-    chunks = [torch.tensor(e, dtype=torch.float32) for e in entries if e and isinstance(e[0], list)]
-    rows = torch.cat(chunks) if chunks else torch.empty(0)  # shape: (T, D)
-    if rows.shape[0] != n_tokens:
-        raise CaptureMismatch(
-            f"sequence {rid}: SGLang returned hidden states for {rows.shape[0]} prompt tokens, expected "
-            f"{n_tokens} (a cached prefix is not recomputed; is the radix cache on?)"
-        )
-    return rows
-
-
-def _worker_main(conn: Connection) -> None:
-    """The worker process: owns one ``sglang.Engine`` at a time; answers (op, kwargs) messages on ``conn``.
-
-    Runs as ``python -m eaglepipe.engines.sglang`` (see the bottom of this file): SGLang's subprocesses are
-    started with ``spawn`` and re-run this file as ``__mp_main__`` before anything else, which installs the
-    CPU stand-ins in each of them before SGLang's code is unpickled there.
-    """
-    import sglang
-    from sglang.srt.entrypoints.engine import Engine as SGLEngine
-
-    engine = None
-
-    def stop():
-        nonlocal engine
-        if engine is not None:
-            engine.shutdown()
-            engine = None
-
-    while True:
-        try:
-            op, kw = conn.recv()
-        except EOFError:  # the driving process is gone
-            stop()
-            return
-        try:
-            if op == "start":
-                stop()
-                t0 = time.perf_counter()
-                engine = SGLEngine(**kw)
-                result = {"startup_s": time.perf_counter() - t0, "version": sglang.__version__}
-            elif op == "capture":
-                outs = engine.generate(
-                    input_ids=kw["sequences"], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                    return_hidden_states=True,
-                )
-                result = [
-                    _hidden_rows(o["meta_info"]["hidden_states"], len(s), j).numpy()
-                    for j, (s, o) in enumerate(zip(kw["sequences"], outs))
-                ]
-            elif op == "generate":
-                t0 = time.perf_counter()
-                outs = engine.generate(input_ids=kw["prompts"], sampling_params=kw["sampling_params"])
-                result = {
-                    "outputs": [list(o["output_ids"]) for o in outs],
-                    "meta": [{k: v for k, v in o["meta_info"].items() if k.startswith(("spec_", "completion"))}
-                             for o in outs],
-                    "seconds": time.perf_counter() - t0,
-                }
-            elif op == "stop":
-                stop()
-                result = None
-            elif op == "exit":
-                stop()
-                conn.send(("ok", None))
-                return
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            conn.send(("ok", result))
-        except BaseException:  # noqa: BLE001 — everything goes back to the caller, the worker lives on
-            conn.send(("error", traceback.format_exc()))
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -199,63 +105,24 @@ class SGLangEngine(Engine):
         self.capture_ids = sorted(set(capture_ids or []))
         self.seed = seed
         self.log_level = log_level
-        self.timeout = start_timeout
         self.engine_kwargs = {**json.loads(os.environ.get(SERVER_ARGS_ENV) or "{}"), **(engine_kwargs or {})}
         self.startup_s: dict[str, float] = {}
         self._version: str | None = None
-        self._proc = None
-        self._conn = None
+        self._worker = Worker(self.device, start_timeout)
         self._mode: tuple | None = None
 
     @property
     def version(self) -> str:
         return self._version or super().version
 
-    # ---------------------------------------------------------------- worker and instances
-
-    def _spawn_worker(self) -> None:
-        """Start ``python -m eaglepipe.engines.sglang FD`` with one end of a socket pair as its pipe."""
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ, HF_HUB_OFFLINE="1")  # targets are local folders; never reach for a hub
-        env[_SHIM_ENV] = "1" if self.device == "cpu" else "0"
-        if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU branches (without it: GPU paths, vllm imports)
-        fd = child_sock.fileno()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(fd)], env=env, pass_fds=(fd,), start_new_session=True,
-        )
-        child_sock.close()
-        self._conn = Connection(parent_sock.detach())
+    # ---------------------------------------------------------------- instances (one worker, :mod:`.sglang_worker`)
 
     def _call(self, op: str, **kw):
-        if self._proc is None:
-            self._spawn_worker()
-        self._conn.send((op, kw))
-        if not self._conn.poll(self.timeout):
-            self._kill()
-            raise SGLangError(f"SGLang worker gave no answer to {op!r} within {self.timeout:.0f} s; killed it")
         try:
-            status, result = self._conn.recv()
-        except EOFError:
-            code = self._proc.wait(10)
-            self._kill()
-            raise SGLangError(f"SGLang worker died during {op!r} (exit code {code})") from None
-        if status == "error":
-            raise SGLangError(f"SGLang failed during {op!r} (worker traceback follows)\n{result}")
-        return result
-
-    def _kill(self) -> None:
-        """Kill the worker and every process SGLang started under it."""
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                try:
-                    os.killpg(self._proc.pid, signal.SIGKILL)  # the worker leads its own process group
-                except ProcessLookupError:
-                    pass
-            self._proc.wait(10)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc, self._conn, self._mode = None, None, None
+            return self._worker.call(op, **kw)
+        finally:
+            if not self._worker.running:  # killed (hung or dead): no instance runs any more
+                self._mode = None
 
     def _start(self, mode: tuple, **server_args) -> None:
         """Make ``mode`` the running SGLang instance (stopping another one first) and time its start."""
@@ -276,15 +143,8 @@ class SGLangEngine(Engine):
 
     def close(self) -> None:
         """Stop SGLang and its worker (gracefully, else by killing its process group). Safe to call twice."""
-        if self._proc is not None and self._proc.poll() is None:
-            try:
-                self._conn.send(("exit", {}))
-                if self._conn.poll(60):
-                    self._conn.recv()
-                self._proc.wait(30)
-            except (OSError, EOFError, subprocess.TimeoutExpired):
-                pass
-        self._kill()
+        self._worker.close()
+        self._mode = None
 
     def __del__(self):
         try:
@@ -424,10 +284,10 @@ def serve_eagle3(
 # ``__main__``: the worker, started by SGLangEngine with the fd of its end of the pipe.
 # ``__mp_main__``: a process SGLang spawned from the worker (scheduler, detokenizer); multiprocessing re-runs
 # the parent's main module under this name before it unpickles the process' target and arguments.
-if __name__ in ("__main__", "__mp_main__") and os.environ.get(_SHIM_ENV) == "1":
+if __name__ in ("__main__", "__mp_main__") and os.environ.get(SHIM_ENV) == "1":
     from eaglepipe.engines import sgl_kernel_cpu_shim
 
     sgl_kernel_cpu_shim.install()  # before anything imports sglang in this process
 
 if __name__ == "__main__":
-    _worker_main(Connection(int(sys.argv[1])))
+    worker_main(Connection(int(sys.argv[1])))
