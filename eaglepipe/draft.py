@@ -313,14 +313,13 @@ def save_draft(draft: Eagle3Draft, folder: Path, extra: dict | None = None) -> N
     """Write ``config.json`` (the DraftConfig + ``extra``) and ``model.safetensors`` (exported names)."""
     from safetensors.torch import save_file
 
-    from .features import atomic_write_json
+    from .atomic import atomic_path, atomic_write_json
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(folder / WEIGHTS_FILE)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in draft.state_dict().items()}
+    with atomic_path(folder / WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_json(folder / CONFIG_FILE, {"draft": draft.cfg.to_dict(), **(extra or {})})
 
 

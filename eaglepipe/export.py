@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from . import convention
 from .draft import DraftConfig
 from .engine_table import SERVING as SERVING_ENGINES
 from .errors import ConventionError, ExportError
-from .features import atomic_write_json
+from .atomic import atomic_dir, atomic_write_json
 from .rope import engine_fields as rope_fields
 from .serving import require_servable
 from .target import TargetInfo, read_info
@@ -180,13 +179,9 @@ def export_draft(
         # d2t) only when draft_vocab_size != vocab_size, and refuses the tensor otherwise; the mapping is the
         # identity then (check_tensors proved d2t all zeros), so the vLLM folder omits d2t and t2d.
         cast = {n: t for n, t in cast.items() if n not in ("d2t", "t2d")}
-    tmp = Path(str(out_dir) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(cast, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    atomic_write_json(tmp / "config.json", config)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_file(cast, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        atomic_write_json(tmp / "config.json", config)
     log.info("exported %s draft for %s: ids %s", family, engine,
              {e: v["ids"] for e, v in config["eaglepipe"]["engines"].items()})
     return config

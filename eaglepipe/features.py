@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .atomic import atomic_path, atomic_write_json
 from .errors import CaptureMismatch, FeatureStoreError
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,6 @@ def token_hash(input_ids: list[int] | torch.Tensor) -> str:
 def run_key(spec: dict) -> str:
     """A stable hash (16 hex digits) of a JSON-serialisable dict: keys the scratch folder of a run."""
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    """Write ``obj`` as indented JSON through ``path.tmp`` + rename."""
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -122,13 +116,11 @@ def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str,
         offset += len(raw)
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for raw in blobs:
             f.write(raw)
-    os.replace(tmp, path)
 
 
 def non_finite(sample: "FeatureSample") -> dict | None:

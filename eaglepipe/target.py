@@ -10,12 +10,11 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import convention
+from .atomic import atomic_dir
 from .errors import ConventionError, ParamsError
 from .rope import rope_parameters
 from .target_config import lm_fields, read_target_config
@@ -186,15 +185,11 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
         if hasattr(model.config, attr):
             delattr(model.config, attr)
     model.is_quantized = False
-    tmp = Path(str(out_dir) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
     info = read_info(out_dir, source)
     log.info("target: %s", asdict(info))
     return info

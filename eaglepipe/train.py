@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .atomic import atomic_path
 from .draft import DraftConfig, Eagle3Draft, n_params, save_draft
 from .errors import EaglepipeError, TrainingError
 from .features import FeatureSample, FeatureSet, SampleRef, non_finite, run_key
@@ -302,12 +303,6 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def atomic_save(obj, path: Path) -> None:
-    tmp = Path(str(path) + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- the loop
 
 
@@ -506,8 +501,9 @@ def resume(run: Run) -> State:
 def checkpoint(run: Run, st: State) -> None:
     """Write ``run.ckpt`` atomically (rank 0); every rank waits for it."""
     if run.d.main:
-        atomic_save({"model": run.draft.state_dict(), "optimizer": run.opt.state_dict(),
-                     "scheduler": run.sched.state_dict(), "rng": rng_state(), "state": st}, run.ckpt)
+        with atomic_path(run.ckpt) as tmp:
+            torch.save({"model": run.draft.state_dict(), "optimizer": run.opt.state_dict(),
+                        "scheduler": run.sched.state_dict(), "rng": rng_state(), "state": st}, tmp)
     if run.d.world > 1:
         dist.barrier()
 

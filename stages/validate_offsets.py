@@ -15,7 +15,8 @@ import pandas as pd
 
 from eaglepipe.engines import get_engine
 from eaglepipe.errors import CaptureMismatch
-from eaglepipe.features import FeatureSet, atomic_write_json
+from eaglepipe.atomic import atomic_write_json
+from eaglepipe.features import FeatureSet
 from eaglepipe.serving import require_servable
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target import read_info
