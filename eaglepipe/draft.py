@@ -4,17 +4,17 @@
 Parameter and buffer names are exactly what SGLang and vLLM load for ``LlamaForCausalLMEagle3``
 (sglang ``srt/models/llama_eagle3.py``, vllm ``model_executor/models/llama_eagle3.py``)::
 
-    fc.weight                                   [H, L·Ht]   no bias (both engines: bias=False)
-    midlayer.hidden_norm.weight                 [H]
-    midlayer.input_layernorm.weight             [H]
-    midlayer.self_attn.q_proj.weight            [nh·hd, 2H]  (k/v: [nkv·hd, 2H]; q/k/v read 2H)
-    midlayer.self_attn.o_proj.weight            [H, nh·hd]
-    midlayer.post_attention_layernorm.weight    [H]
-    midlayer.mlp.{gate,up}_proj.weight          [I, H]       (down: [H, I])
-    norm.weight                                 [H]
-    lm_head.weight                              [Vd, H]
-    d2t  int64 [Vd]  offsets: target id = draft id + d2t[draft id]
-    t2d  bool  [V]   t2d[target id] = token is in the draft vocabulary
+    fc.weight                                   (H, L·Ht)   no bias (both engines: bias=False)
+    midlayer.hidden_norm.weight                 (H,)
+    midlayer.input_layernorm.weight             (H,)
+    midlayer.self_attn.q_proj.weight            (nh·hd, 2H)  (k/v: (nkv·hd, 2H); q/k/v read 2H)
+    midlayer.self_attn.o_proj.weight            (H, nh·hd)
+    midlayer.post_attention_layernorm.weight    (H,)
+    midlayer.mlp.{gate,up}_proj.weight          (I, H)       (down: (H, I))
+    norm.weight                                 (H,)
+    lm_head.weight                              (Vd, H)
+    d2t  int64 (Vd,)  offsets: target id = draft id + d2t[draft id]
+    t2d  bool  (V,)   t2d[target id] = token is in the draft vocabulary
 
 The target's ``embed_tokens`` is frozen and shared: it is passed in, never a parameter of this module, never
 saved. The decoder layer, as both engines run it (their fused add-norm written out)::

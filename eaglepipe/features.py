@@ -7,11 +7,11 @@ Shard ``shard-{i:05d}.safetensors`` holds S samples concatenated on one token ax
 =============  ==========  =========================================================================
 tensor         dtype       shape / meaning
 =============  ==========  =========================================================================
-``input_ids``  int64       [T]        the token ids the target read (exactly these are trained on)
-``loss_mask``  bool        [T]        1 where the *next* token (the one predicted at t) is assistant text
-``aux``        store dtype [T, L, H]  h[k] for k in ``layers`` (ascending boundary indices)
-``last``       store dtype [T, H]     h[N], the last layer's output BEFORE the final norm
-``offsets``    int64       [S + 1]    sample s spans tokens ``offsets[s]:offsets[s+1]``
+``input_ids``  int64       (T,)       the token ids the target read (exactly these are trained on)
+``loss_mask``  bool        (T,)       1 where the *next* token (the one predicted at t) is assistant text
+``aux``        store dtype (T, L, H)  h[k] for k in ``layers`` (ascending boundary indices)
+``last``       store dtype (T, H)     h[N], the last layer's output BEFORE the final norm
+``offsets``    int64       (S + 1,)   sample s spans tokens ``offsets[s]:offsets[s+1]``
 =============  ==========  =========================================================================
 
 Safetensors metadata of each shard: ``sample_ids``, ``token_hashes``, ``loss_tokens``, ``quarantined`` (JSON
@@ -78,10 +78,10 @@ class FeatureSample:
 
     Attributes:
         id: the conversation id from the prompts stage.
-        input_ids: int64 [T].
-        loss_mask: bool [T]; loss_mask[t] = 1 iff token t+1 lies in an assistant turn.
-        aux: [T, L, H] aux hidden states h[k], k in ``layers`` ascending (store dtype).
-        last: [T, H] h[N], pre-norm (store dtype).
+        input_ids: int64 (T,).
+        loss_mask: bool (T,); loss_mask[t] = 1 iff token t+1 lies in an assistant turn.
+        aux: (T, L, H) aux hidden states h[k], k in ``layers`` ascending (store dtype).
+        last: (T, H) h[N], pre-norm (store dtype).
     """
 
     id: str
@@ -275,13 +275,21 @@ class FeatureSet:
         self._bytes = {s["file"]: s.get("bytes") for s in self.manifest["shards"]}
         self.refs: list[SampleRef] = []
         pos: dict[str, int] = {}
-        for s in self.manifest["samples"]:
-            a = pos.get(s["shard"], 0)
-            pos[s["shard"]] = a + s["n_tokens"]
-            self.refs.append(SampleRef(s["id"], s["shard"], a, a + s["n_tokens"], s["n_loss"], s["token_hash"]))
+        for sample in self.manifest["samples"]:
+            start = pos.get(sample["shard"], 0)
+            pos[sample["shard"]] = start + sample["n_tokens"]
+            self.refs.append(SampleRef(sample["id"], sample["shard"], start, start + sample["n_tokens"],
+                                       sample["n_loss"], sample["token_hash"]))
 
     def __len__(self) -> int:
         return len(self.refs)
+
+    def require_layers(self, layers: list[int]) -> None:
+        """Refuse features stored for other boundaries than ``params.yaml: layers`` (CaptureMismatch): the stage
+        that reads them (validate_offsets, train_drafter) would check or train the wrong layers."""
+        if self.layers != list(layers):
+            raise CaptureMismatch(f"features {self.path} hold layers {self.layers} but params.yaml says "
+                                  f"{list(layers)}; re-run extract")
 
     def shard(self, name: str):
         """The open ``safe_open`` handle of shard ``name`` (at most ``max_open`` stay open, least recent closed)."""
@@ -313,7 +321,7 @@ class FeatureSet:
                 "re-run extract") from e
 
     def tokens(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids int64 [T], loss_mask bool [T]) of one sample, token hash checked; features not read."""
+        """(input_ids int64 (T,), loss_mask bool (T,)) of one sample, token hash checked; features not read."""
         ids = self._slice(ref, "input_ids")
         got = token_hash(ids)
         if got != ref.token_hash:
@@ -324,7 +332,7 @@ class FeatureSet:
         return ids, self._slice(ref, "loss_mask")
 
     def read(self, ref: SampleRef) -> FeatureSample:
-        """One sample (aux [T, L, H], last [T, H] in the store dtype), token hash checked."""
+        """One sample (aux (T, L, H), last (T, H) in the store dtype), token hash checked."""
         ids, mask = self.tokens(ref)
         return FeatureSample(ref.id, ids, mask, self._slice(ref, "aux"), self._slice(ref, "last"))
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pandas as pd
 
 from eaglepipe.engines import get_engine
-from eaglepipe.errors import CaptureMismatch
 from eaglepipe.atomic import atomic_write_json
 from eaglepipe.features import FeatureSet
 from eaglepipe.serving import require_servable
@@ -27,8 +26,7 @@ def main():
     p = start("validate_offsets")
     target_dir, features_dir, ok_json, metrics, report_json, cosine_csv = map(Path, sys.argv[1:7])
     fs = FeatureSet(features_dir)
-    if fs.layers != p.layers:
-        raise CaptureMismatch(f"stored features are for layers {fs.layers}, params say {p.layers}: re-run extract")
+    fs.require_layers(p.layers)
     info = read_info(target_dir, hash_weights=False)
     family = info.family
     require_servable(p.framework, family, info.n_layers, p.layers)  # exit 2, nearest lists named, before capture

@@ -59,7 +59,7 @@ class Engine(ABC):
             sequences: token ids per sequence.
             ids: layer ids in THIS engine's meaning (ascending as the engine orders them).
         Returns:
-            per sequence a float32 tensor [T, len(ids), H], the captured hidden states in the order of ``ids``.
+            per sequence a float32 tensor (T, len(ids), H), the captured hidden states in the order of ``ids``.
         """
 
     # ---------------------------------------------------------------- serving (eaglepipe/engines/serve.py)

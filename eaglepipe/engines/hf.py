@@ -72,7 +72,7 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
-        """h[k] for k in ``ids`` (boundary indices), per sequence float32 [T, len(ids), H].
+        """h[k] for k in ``ids`` (boundary indices), per sequence float32 (T, len(ids), H).
 
         Sequences are batched right-padded; causal attention makes the real tokens' states independent of
         the padding. Runs the base model only (no lm_head). Raises ValueError for ids outside [0, N].
@@ -90,14 +90,14 @@ class HFEngine(Engine):
 
     def _capture_batch(self, seqs: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
         T = max(len(s) for s in seqs)
-        input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # shape: (B, T)
+        input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # (B, T)
         mask = torch.zeros(len(seqs), T, dtype=torch.long)
         for i, s in enumerate(seqs):
             input_ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
         with boundary_hooks(self.layers, ids) as got:
             self.model.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
-        stacked = torch.stack([got[k] for k in ids], dim=2).cpu()  # shape: (B, T, len(ids), H)
+        stacked = torch.stack([got[k] for k in ids], dim=2).cpu()  # (B, T, len(ids), H)
         return [stacked[i, : len(s)].contiguous() for i, s in enumerate(seqs)]
 
     @torch.inference_mode()
@@ -111,7 +111,7 @@ class HFEngine(Engine):
             idx = order[b : b + self.batch_size]
             batch = [prompts[i] for i in idx]
             T = max(len(p) for p in batch)
-            input_ids = torch.full((len(batch), T), pad, dtype=torch.long)  # shape: (B, T), left-padded
+            input_ids = torch.full((len(batch), T), pad, dtype=torch.long)  # (B, T), left-padded
             mask = torch.zeros(len(batch), T, dtype=torch.long)
             for i, p in enumerate(batch):
                 input_ids[i, T - len(p) :] = torch.tensor(p)

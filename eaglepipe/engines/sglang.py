@@ -8,7 +8,7 @@ Capture path: the one that feeds a drafter at serving time. The target runs in S
 EAGLE-3 mode (server args ``enable_return_aux_hidden_states=True``, ``speculative_algorithm="EAGLE3"``
 naming the convention, ``return_aux_hidden_state_layer_ids=ids``): SGLang calls the model's
 ``set_eagle3_layers_to_capture(ids)``, and each request with ``return_hidden_states=True`` receives, per
-prompt token, the concatenated aux states (``[T, len(ids)·H]``) in place of the last hidden state. A
+prompt token, the concatenated aux states (``(T, len(ids)·H)``) in place of the last hidden state. A
 prefill with ``max_new_tokens=1`` (the sampled token is discarded); the radix cache is off, so every token
 is recomputed and captured.
 
@@ -173,7 +173,7 @@ class SGLangEngine(Engine):
         return recorded
 
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
-        """What SGLang feeds an EAGLE-3 drafter for ``ids`` (SGLang meaning), per sequence float32 [T, len(ids), H].
+        """What SGLang feeds an EAGLE-3 drafter for ``ids`` (SGLang meaning), per sequence float32 (T, len(ids), H).
 
         Raises ValueError for ids that are not strictly ascending or outside SGLang's accepted [0, N)
         (SGLang's own check; an id whose layer the model cannot capture, e.g. N-1 for llama, fails at
@@ -191,9 +191,9 @@ class SGLangEngine(Engine):
         rows = self._call("capture", sequences=[list(map(int, s)) for s in sequences])
         out = []
         for r in rows:
-            hs = torch.from_numpy(r)  # shape: (T, len(recorded) * H), SGLang's concatenation
-            hs = hs.view(hs.shape[0], len(recorded), -1)  # shape: (T, len(recorded), H)
-            out.append(hs[:, cols].contiguous())  # shape: (T, len(ids), H)
+            hs = torch.from_numpy(r)  # (T, len(recorded) * H), SGLang's concatenation
+            hs = hs.view(hs.shape[0], len(recorded), -1)  # (T, len(recorded), H)
+            out.append(hs[:, cols].contiguous())  # (T, len(ids), H)
         return out
 
     def capture_for_draft(self, sequences: list[list[int]], draft_dir: str | Path) -> list[torch.Tensor]:

@@ -220,7 +220,7 @@ class VLLMEngine(Engine):
         return llm, recorded
 
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
-        """h[i] for i in ``ids`` (vLLM meaning), per sequence float32 [T, len(ids), H], in the order of ``ids``.
+        """h[i] for i in ``ids`` (vLLM meaning), per sequence float32 (T, len(ids), H), in the order of ``ids``.
 
         One prefill per sequence (``max_tokens=1``; the sampled token is discarded and not captured).
         Raises ValueError for ids outside [0, N] or repeated (vLLM records each layer once), and
@@ -253,8 +253,8 @@ class VLLMEngine(Engine):
                     f"sequence {j}: vLLM's file holds {len(got)} token ids, the request had {len(seq)}; "
                     f"first difference at position {first}: these states are not the sequence's"
                 )
-            hs = data["hidden_states"]  # shape: [T, len(recorded), H], model dtype
-            result.append(hs[:, cols].float().contiguous())  # shape: [T, len(ids), H]
+            hs = data["hidden_states"]  # (T, len(recorded), H), model dtype
+            result.append(hs[:, cols].float().contiguous())  # (T, len(ids), H)
         return result
 
     def capture_for_draft(self, sequences: list[list[int]], draft_dir: str | Path) -> list[torch.Tensor]:
