@@ -335,5 +335,5 @@ def load_draft(folder: Path, device: str | torch.device = "cpu") -> Eagle3Draft:
 
 
 def n_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    return sum(param.numel() for param in module.parameters())
 

@@ -160,10 +160,10 @@ class ShardWriter:
 
     def done(self, i: int) -> bool:
         """True when shard i was finished by this or an earlier (killed) run with the same key."""
-        p = self.scratch / _shard_name(i)
-        if not p.exists():
+        path = self.scratch / _shard_name(i)
+        if not path.exists():
             return False
-        with safe_open(p, "pt") as f:
+        with safe_open(path, "pt") as f:
             return (f.metadata() or {}).get("run_key") == self.key
 
     def write(self, i: int, samples: list[FeatureSample], quarantined: list[dict] | None = None) -> None:
@@ -296,17 +296,17 @@ class FeatureSet:
         if name in self._open:
             self._open.move_to_end(name)
             return self._open[name]
-        p = self.path / name
+        path = self.path / name
         want = self._bytes.get(name)
-        got = p.stat().st_size if p.is_file() else None
+        got = path.stat().st_size if path.is_file() else None
         if got is None or (want is not None and got != want):
             raise FeatureStoreError(
-                f"feature shard {p}: {'missing' if got is None else f'{got} bytes'}, manifest says {want} bytes "
+                f"feature shard {path}: {'missing' if got is None else f'{got} bytes'}, manifest says {want} bytes "
                 "(truncated or replaced); re-run extract")
         try:
-            f = safe_open(p, "pt")
+            f = safe_open(path, "pt")
         except (SafetensorError, OSError, ValueError) as e:
-            raise FeatureStoreError(f"feature shard {p} is damaged ({e}); re-run extract") from e
+            raise FeatureStoreError(f"feature shard {path} is damaged ({e}); re-run extract") from e
         self._open[name] = f
         while len(self._open) > self.max_open:
             self._open.popitem(last=False)

@@ -417,7 +417,7 @@ def format_report(report: Report) -> str:
     lines.append(f"fc       {list(report.fc_shape) if report.fc_shape else '?'}")
     lines.append(f"d2t      {report.d2t}")
     lines += [f"note     {n}" for n in report.notes]
-    problems = report.problems + [p for v in report.engines.values() for p in v.problems]
-    lines += [f"PROBLEM  {p}" for p in problems]
+    problems = report.problems + [problem for view in report.engines.values() for problem in view.problems]
+    lines += [f"PROBLEM  {problem}" for problem in problems]
     lines.append("OK" if report.ok else f"{len(problems)} problem(s)")
     return "\n".join(lines)

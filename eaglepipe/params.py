@@ -121,7 +121,7 @@ class Params(_Strict):
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(part) for part in e["loc"]) or "<root>"
         key = key.replace("validate_", "validate")
         if e["type"] == "extra_forbidden":
             lines.append(f"params.yaml: unknown key '{key}' (value {e['input']!r}); remove or rename it")

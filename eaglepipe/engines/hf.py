@@ -110,12 +110,12 @@ class HFEngine(Engine):
         for b in range(0, len(order), self.batch_size):
             idx = order[b : b + self.batch_size]
             batch = [prompts[i] for i in idx]
-            T = max(len(p) for p in batch)
+            T = max(len(prompt) for prompt in batch)
             input_ids = torch.full((len(batch), T), pad, dtype=torch.long)  # (B, T), left-padded
             mask = torch.zeros(len(batch), T, dtype=torch.long)
-            for i, p in enumerate(batch):
-                input_ids[i, T - len(p) :] = torch.tensor(p)
-                mask[i, T - len(p) :] = 1
+            for row, prompt in enumerate(batch):
+                input_ids[row, T - len(prompt) :] = torch.tensor(prompt)
+                mask[row, T - len(prompt) :] = 1
             kw = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
                 "do_sample": False}
             gen = self.model.generate(

@@ -68,8 +68,8 @@ def measure(engine, draft_dir: str | Path, prompts: list[list[int]], k: int, max
     drafted = engine.eagle3_args(draft_dir, k)  # raises ServingUnavailable before any instance starts
     draft = [engine.generate_timed(prompts, max_new_tokens, batch_size=b, **drafted) for b in batch_sizes]
     plain = [engine.generate_timed(prompts, max_new_tokens, batch_size=b) for b in batch_sizes]
-    runs = [{**serve_summary(k, len(prompts), max_new_tokens, d, p, engine.version), **engine.spec_figures(d, k)}
-            for d, p in zip(draft, plain)]
+    runs = [{**serve_summary(k, len(prompts), max_new_tokens, drafted_run, plain_run, engine.version),
+             **engine.spec_figures(drafted_run, k)} for drafted_run, plain_run in zip(draft, plain)]
     return by_batch_size(runs, batch_sizes)
 
 

@@ -222,7 +222,7 @@ class SGLangEngine(Engine):
         """
         if self._mode is None or self._mode[0] not in ("capture", "generate"):
             self._start(("generate",))
-        res = self._call("generate", prompts=[list(map(int, p)) for p in prompts],
+        res = self._call("generate", prompts=[list(map(int, prompt)) for prompt in prompts],
                          sampling_params=self._sampling(len(prompts), max_new_tokens, temperature, seed))
         return res["outputs"]
 
@@ -239,7 +239,7 @@ class SGLangEngine(Engine):
         self._call("generate", prompts=[list(prompts[0])], sampling_params=self._sampling(1, 1, 0.0, 0))
         res = {"outputs": [], "meta": [], "seconds": 0.0}
         for group in groups(prompts, batch_size):
-            r = self._call("generate", prompts=[list(map(int, p)) for p in group],
+            r = self._call("generate", prompts=[list(map(int, prompt)) for prompt in group],
                            sampling_params=self._sampling(len(group), max_new_tokens, 0.0, 0))
             res = {"outputs": res["outputs"] + r["outputs"], "meta": res["meta"] + r["meta"],
                    "seconds": res["seconds"] + r["seconds"]}

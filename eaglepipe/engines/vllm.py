@@ -266,7 +266,7 @@ class VLLMEngine(Engine):
     def _run(self, llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
         """Batched ``LLM.generate`` on token ids; returns (generated ids per prompt, seconds)."""
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": list(prompt)} for prompt in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
 
     @staticmethod
