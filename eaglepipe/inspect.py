@@ -100,11 +100,6 @@ def _load_json(path: Path) -> dict:
         raise EaglepipeError(f"{path}: not valid JSON ({e})") from None
 
 
-def load_target_config(target: str | Path | dict) -> dict:
-    """A target ``config.json`` dict from a dict, a folder holding config.json, or a .json file."""
-    return target if isinstance(target, dict) else read_target_config(target)
-
-
 def safetensors_header(path: Path) -> dict:
     """The JSON header of a .safetensors file: {name: {"dtype", "shape", "data_offsets"}} (no torch)."""
     with open(path, "rb") as f:
@@ -308,7 +303,7 @@ def inspect_draft(
     """
     draft_dir = Path(draft_dir)
     cfg = _load_json(draft_dir / "config.json")
-    target = load_target_config(target_config)
+    target = target_config if isinstance(target_config, dict) else read_target_config(target_config)
     family, n_layers = target_family(target), conv.n_layers_of(target)
     target_hidden = conv.hidden_size_of(target)
     target_vocab = target.get("vocab_size") or (target.get("text_config") or {}).get("vocab_size")
