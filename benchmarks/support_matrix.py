@@ -31,11 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from eaglepipe.engine_table import NAMES as ENGINES  # noqa: E402
 from eaglepipe.errors import EaglepipeError  # noqa: E402
 from eaglepipe.tiny_targets import FAMILIES, build  # noqa: E402
 
 LAYERS = [2, 3, 4]
-ENGINES = ("hf", "vllm", "sglang")
 MIN_COSINE = 0.999
 TIMEOUT_S = 420
 WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel, whose flashinfer/fa3/triton attention backends "

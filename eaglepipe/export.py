@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -26,16 +25,17 @@ from safetensors.torch import load_file, save_file
 
 from . import convention
 from .draft import DraftConfig
+from .engine_table import SERVING as SERVING_ENGINES
 from .errors import ConventionError, ExportError
-from .features import atomic_write_json
+from .atomic import atomic_dir, atomic_write_json
 from .rope import engine_fields as rope_fields
 from .serving import require_servable
-from .target import read_info
+from .target import TargetInfo, read_info
+from .target_config import read_target_config
 
 log = logging.getLogger(__name__)
 
 ARCH = "LlamaForCausalLMEagle3"
-SERVING_ENGINES = ("vllm", "sglang")
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
@@ -127,7 +127,7 @@ def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
 
 def export_draft(
     drafter_dir: Path, target_dir: Path, engine: str, out_dir: Path, layers: list[int], version: str | None = None,
-    dtype: str = "float32",
+    dtype: str = "float32", info: TargetInfo | None = None,
 ) -> dict:
     """Write ``out_dir`` (config.json + model.safetensors) for ``engine``; returns the config written.
 
@@ -135,16 +135,17 @@ def export_draft(
         drafter_dir: train_drafter's output (``config.json`` with the DraftConfig, ``model.safetensors``).
         layers: the boundaries the draft was trained on (h[k], ascending).
         version: the engine version the ids are written for (None = installed, else the translator's known).
+        info: the target's :class:`TargetInfo` (default: read from ``target_dir``).
     Raises:
         ExportError: tensors missing/unexpected/misshapen, ids that do not round-trip to ``layers``, or a
             draft RoPE that is not the target's.
         ConventionError: the layers cannot be expressed for this engine / family / version.
     """
     drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
-    target_cfg = json.loads((target_dir / "config.json").read_text())
+    target_cfg = read_target_config(target_dir)  # token ids for the draft's config
     meta = json.loads((drafter_dir / "config.json").read_text())
     cfg = DraftConfig(**meta["draft"])
-    info = read_info(target_dir, hash_weights=False)  # the one place the family comes from
+    info = info or read_info(target_dir, hash_weights=False)  # the one place the family comes from
     family, n_layers = info.family, info.n_layers
     if cfg.rope != info.rope:
         raise ExportError(f"the draft was trained with RoPE {cfg.rope} but the target's is {info.rope}: served "
@@ -178,13 +179,9 @@ def export_draft(
         # d2t) only when draft_vocab_size != vocab_size, and refuses the tensor otherwise; the mapping is the
         # identity then (check_tensors proved d2t all zeros), so the vLLM folder omits d2t and t2d.
         cast = {n: t for n, t in cast.items() if n not in ("d2t", "t2d")}
-    tmp = Path(str(out_dir) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(cast, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    atomic_write_json(tmp / "config.json", config)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_file(cast, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        atomic_write_json(tmp / "config.json", config)
     log.info("exported %s draft for %s: ids %s", family, engine,
              {e: v["ids"] for e, v in config["eaglepipe"]["engines"].items()})
     return config
@@ -208,7 +205,7 @@ def export_all(drafter_dir: Path, target_dir: Path, out_dir: Path, layers: list[
             shutil.rmtree(out_dir / engine, ignore_errors=True)
             verdict[engine] = {"exported": False, **plan.to_json()}
             continue
-        export_draft(drafter_dir, target_dir, engine, out_dir / engine, layers, plan.version)
+        export_draft(drafter_dir, target_dir, engine, out_dir / engine, layers, plan.version, info=info)
         verdict[engine] = {"exported": True, **plan.to_json()}
     atomic_write_json(out_dir / "engines.json", {"layers": list(layers), "family": info.family,
                                                  "n_layers": info.n_layers, "framework": framework,

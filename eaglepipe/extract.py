@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,64 +110,80 @@ def extract(
 ) -> tuple[dict, ExtractStats]:
     """Run steps 1–4 over ``convs`` and write ``out_dir`` (shards + manifest.json).
 
+    The engine starts at the first missing shard and is closed when this returns or raises.
     Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
     """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    N = info.n_layers
     key = plan_key(info, layers, p, p.engine, prompts_hash)
     writer = ShardWriter(out_dir, scratch, key, p.shard_size)
     chunks = [convs[i : i + p.shard_size] for i in range(0, len(convs), p.shard_size)]
     resumed = sum(writer.done(i) for i in range(len(chunks)))
     if resumed:
         log.info("resuming: %d of %d shards already written (key %s)", resumed, len(chunks), key)
-    ids = convention.engine_ids(p.engine, info.family, layers + [N], N)
-    store = STORE_DTYPES[p.dtype]
-    engine, version = None, None
-    t0 = time.perf_counter()
-    t_cap = t_gen = 0.0
-    tokens = 0
+    ids = convention.engine_ids(p.engine, info.family, layers + [info.n_layers], info.n_layers)
+    timing = _Timing(time.perf_counter())
     bar = tqdm(total=len(convs), initial=resumed and sum(len(c) for c in chunks[:resumed]), unit="sample")
-    for i, chunk in enumerate(chunks):
-        if writer.done(i):
-            continue
-        if engine is None:
-            engine = get_engine(p.engine, target_dir, dtype=p.engine_dtype, batch_size=p.batch_size)
-            version = engine.version
-        if p.regenerate:
-            tg = time.perf_counter()
-            chunk = regenerate(engine, tok, chunk, p)
-            t_gen += time.perf_counter() - tg
-        toks = [tokenize_conversation(tok, c["messages"], p.max_length) for c in chunk]
-        tc = time.perf_counter()
-        caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample [T, L+1, H] float32
-        t_cap += time.perf_counter() - tc
-        samples = [
-            FeatureSample(c["id"], t.input_ids, t.loss_mask, h[:, :-1].to(store), h[:, -1].to(store))
-            for c, t, h in zip(chunk, toks, caps)
-        ]
-        writer.write(i, *quarantine(samples))
-        tokens += sum(len(t.input_ids) for t in toks)
-        bar.update(len(chunk))
-        bar.set_postfix(tok_s=f"{tokens / max(t_cap, 1e-9):.0f}")
+    with ExitStack() as stack:
+        engine = None
+        for i, chunk in enumerate(chunks):
+            if writer.done(i):
+                continue
+            if engine is None:
+                engine = stack.enter_context(get_engine(p.engine, target_dir, dtype=p.engine_dtype,
+                                                        batch_size=p.batch_size, info=info))
+                timing.version = engine.version
+            writer.write(i, *quarantine(_shard_samples(engine, tok, chunk, ids, p, timing)))
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{timing.tokens / max(timing.capture, 1e-9):.0f}")
     bar.close()
-    if engine is not None:
-        engine.close()
     header = {
-        "engine": p.engine, "engine_version": version or engine_version(p.engine), "layers": layers, "dtype": p.dtype,
-        "target": {"hash": info.content_hash, "n_layers": N, "hidden_size": info.hidden_size,
-                   "vocab_size": info.vocab_size, "model_type": info.model_type,
-                   "family": info.family},
+        "engine": p.engine, "engine_version": timing.version or engine_version(p.engine), "layers": layers,
+        "dtype": p.dtype,
+        "target": {"hash": info.content_hash, "n_layers": info.n_layers, "hidden_size": info.hidden_size,
+                   "vocab_size": info.vocab_size, "model_type": info.model_type, "family": info.family},
         "capture_ids": ids, "regenerate": p.model_dump() if p.regenerate else None, "prompts_hash": prompts_hash,
     }
     manifest = writer.finish(header, len(chunks))
-    tot = manifest["totals"]
-    nbytes = sum((out_dir / s["file"]).stat().st_size for s in manifest["shards"])
-    stats = ExtractStats(
-        samples=tot["samples"], tokens=tot["tokens"], loss_tokens=tot["loss_tokens"],
-        seconds=time.perf_counter() - t0, capture_seconds=t_cap, generate_seconds=t_gen,
-        tokens_per_s=tokens / t_cap if t_cap else 0.0, bytes_per_token=nbytes / max(tot["tokens"], 1),
-        resumed_shards=resumed, quarantined=tot["quarantined"],
+    return manifest, _stats(manifest, out_dir, timing, resumed)
+
+
+@dataclass
+class _Timing:
+    """What one extract run counts as it goes: seconds since ``t0``, captured tokens, the engine's version."""
+
+    t0: float
+    capture: float = 0.0
+    generate: float = 0.0
+    tokens: int = 0
+    version: str | None = None
+
+
+def _shard_samples(engine, tok, chunk: list[dict], ids: list[int], p: ExtractParams, timing: _Timing):
+    """Steps 1–3 for one shard's conversations: their FeatureSamples in the store dtype (before quarantine)."""
+    if p.regenerate:
+        t0 = time.perf_counter()
+        chunk = regenerate(engine, tok, chunk, p)
+        timing.generate += time.perf_counter() - t0
+    toks = [tokenize_conversation(tok, conv["messages"], p.max_length) for conv in chunk]
+    t0 = time.perf_counter()
+    caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) float32
+    timing.capture += time.perf_counter() - t0
+    timing.tokens += sum(len(t.input_ids) for t in toks)
+    store = STORE_DTYPES[p.dtype]
+    return [
+        FeatureSample(conv["id"], t.input_ids, t.loss_mask, h[:, :-1].to(store), h[:, -1].to(store))
+        for conv, t, h in zip(chunk, toks, caps)
+    ]
+
+
+def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int) -> ExtractStats:
+    totals = manifest["totals"]
+    nbytes = sum((out_dir / shard["file"]).stat().st_size for shard in manifest["shards"])
+    return ExtractStats(
+        samples=totals["samples"], tokens=totals["tokens"], loss_tokens=totals["loss_tokens"],
+        seconds=time.perf_counter() - timing.t0, capture_seconds=timing.capture, generate_seconds=timing.generate,
+        tokens_per_s=timing.tokens / timing.capture if timing.capture else 0.0,
+        bytes_per_token=nbytes / max(totals["tokens"], 1), resumed_shards=resumed, quarantined=totals["quarantined"],
     )
-    return manifest, stats

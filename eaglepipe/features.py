@@ -7,11 +7,11 @@ Shard ``shard-{i:05d}.safetensors`` holds S samples concatenated on one token ax
 =============  ==========  =========================================================================
 tensor         dtype       shape / meaning
 =============  ==========  =========================================================================
-``input_ids``  int64       [T]        the token ids the target read (exactly these are trained on)
-``loss_mask``  bool        [T]        1 where the *next* token (the one predicted at t) is assistant text
-``aux``        store dtype [T, L, H]  h[k] for k in ``layers`` (ascending boundary indices)
-``last``       store dtype [T, H]     h[N], the last layer's output BEFORE the final norm
-``offsets``    int64       [S + 1]    sample s spans tokens ``offsets[s]:offsets[s+1]``
+``input_ids``  int64       (T,)       the token ids the target read (exactly these are trained on)
+``loss_mask``  bool        (T,)       1 where the *next* token (the one predicted at t) is assistant text
+``aux``        store dtype (T, L, H)  h[k] for k in ``layers`` (ascending boundary indices)
+``last``       store dtype (T, H)     h[N], the last layer's output BEFORE the final norm
+``offsets``    int64       (S + 1,)   sample s spans tokens ``offsets[s]:offsets[s+1]``
 =============  ==========  =========================================================================
 
 Safetensors metadata of each shard: ``sample_ids``, ``token_hashes``, ``loss_tokens``, ``quarantined`` (JSON
@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .atomic import atomic_path, atomic_write_json
 from .errors import CaptureMismatch, FeatureStoreError
 
 log = logging.getLogger(__name__)
@@ -71,23 +72,16 @@ def run_key(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    """Write ``obj`` as indented JSON through ``path.tmp`` + rename."""
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 @dataclass
 class FeatureSample:
     """One captured sequence.
 
     Attributes:
         id: the conversation id from the prompts stage.
-        input_ids: int64 [T].
-        loss_mask: bool [T]; loss_mask[t] = 1 iff token t+1 lies in an assistant turn.
-        aux: [T, L, H] aux hidden states h[k], k in ``layers`` ascending (store dtype).
-        last: [T, H] h[N], pre-norm (store dtype).
+        input_ids: int64 (T,).
+        loss_mask: bool (T,); loss_mask[t] = 1 iff token t+1 lies in an assistant turn.
+        aux: (T, L, H) aux hidden states h[k], k in ``layers`` ascending (store dtype).
+        last: (T, H) h[N], pre-norm (store dtype).
     """
 
     id: str
@@ -122,13 +116,11 @@ def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str,
         offset += len(raw)
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for raw in blobs:
             f.write(raw)
-    os.replace(tmp, path)
 
 
 def non_finite(sample: "FeatureSample") -> dict | None:
@@ -168,10 +160,10 @@ class ShardWriter:
 
     def done(self, i: int) -> bool:
         """True when shard i was finished by this or an earlier (killed) run with the same key."""
-        p = self.scratch / _shard_name(i)
-        if not p.exists():
+        path = self.scratch / _shard_name(i)
+        if not path.exists():
             return False
-        with safe_open(p, "pt") as f:
+        with safe_open(path, "pt") as f:
             return (f.metadata() or {}).get("run_key") == self.key
 
     def write(self, i: int, samples: list[FeatureSample], quarantined: list[dict] | None = None) -> None:
@@ -283,30 +275,38 @@ class FeatureSet:
         self._bytes = {s["file"]: s.get("bytes") for s in self.manifest["shards"]}
         self.refs: list[SampleRef] = []
         pos: dict[str, int] = {}
-        for s in self.manifest["samples"]:
-            a = pos.get(s["shard"], 0)
-            pos[s["shard"]] = a + s["n_tokens"]
-            self.refs.append(SampleRef(s["id"], s["shard"], a, a + s["n_tokens"], s["n_loss"], s["token_hash"]))
+        for sample in self.manifest["samples"]:
+            start = pos.get(sample["shard"], 0)
+            pos[sample["shard"]] = start + sample["n_tokens"]
+            self.refs.append(SampleRef(sample["id"], sample["shard"], start, start + sample["n_tokens"],
+                                       sample["n_loss"], sample["token_hash"]))
 
     def __len__(self) -> int:
         return len(self.refs)
+
+    def require_layers(self, layers: list[int]) -> None:
+        """Refuse features stored for other boundaries than ``params.yaml: layers`` (CaptureMismatch): the stage
+        that reads them (validate_offsets, train_drafter) would check or train the wrong layers."""
+        if self.layers != list(layers):
+            raise CaptureMismatch(f"features {self.path} hold layers {self.layers} but params.yaml says "
+                                  f"{list(layers)}; re-run extract")
 
     def shard(self, name: str):
         """The open ``safe_open`` handle of shard ``name`` (at most ``max_open`` stay open, least recent closed)."""
         if name in self._open:
             self._open.move_to_end(name)
             return self._open[name]
-        p = self.path / name
+        path = self.path / name
         want = self._bytes.get(name)
-        got = p.stat().st_size if p.is_file() else None
+        got = path.stat().st_size if path.is_file() else None
         if got is None or (want is not None and got != want):
             raise FeatureStoreError(
-                f"feature shard {p}: {'missing' if got is None else f'{got} bytes'}, manifest says {want} bytes "
+                f"feature shard {path}: {'missing' if got is None else f'{got} bytes'}, manifest says {want} bytes "
                 "(truncated or replaced); re-run extract")
         try:
-            f = safe_open(p, "pt")
+            f = safe_open(path, "pt")
         except (SafetensorError, OSError, ValueError) as e:
-            raise FeatureStoreError(f"feature shard {p} is damaged ({e}); re-run extract") from e
+            raise FeatureStoreError(f"feature shard {path} is damaged ({e}); re-run extract") from e
         self._open[name] = f
         while len(self._open) > self.max_open:
             self._open.popitem(last=False)
@@ -321,7 +321,7 @@ class FeatureSet:
                 "re-run extract") from e
 
     def tokens(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids int64 [T], loss_mask bool [T]) of one sample, token hash checked; features not read."""
+        """(input_ids int64 (T,), loss_mask bool (T,)) of one sample, token hash checked; features not read."""
         ids = self._slice(ref, "input_ids")
         got = token_hash(ids)
         if got != ref.token_hash:
@@ -332,7 +332,7 @@ class FeatureSet:
         return ids, self._slice(ref, "loss_mask")
 
     def read(self, ref: SampleRef) -> FeatureSample:
-        """One sample (aux [T, L, H], last [T, H] in the store dtype), token hash checked."""
+        """One sample (aux (T, L, H), last (T, H) in the store dtype), token hash checked."""
         ids, mask = self.tokens(ref)
         return FeatureSample(ref.id, ids, mask, self._slice(ref, "aux"), self._slice(ref, "last"))
 

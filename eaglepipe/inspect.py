@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import convention as conv
+from .engine_table import SERVING
 from .errors import ConventionError, EaglepipeError
 from .target import target_family
+from .target_config import read_target_config
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +98,6 @@ def _load_json(path: Path) -> dict:
         raise EaglepipeError(f"{path}: not found") from None
     except json.JSONDecodeError as e:
         raise EaglepipeError(f"{path}: not valid JSON ({e})") from None
-
-
-def load_target_config(target: str | Path | dict) -> dict:
-    """A target ``config.json`` dict from a dict, a folder holding config.json, or a .json file."""
-    if isinstance(target, dict):
-        return target
-    path = Path(target)
-    return _load_json(path / "config.json" if path.is_dir() else path)
 
 
 def safetensors_header(path: Path) -> dict:
@@ -309,7 +303,7 @@ def inspect_draft(
     """
     draft_dir = Path(draft_dir)
     cfg = _load_json(draft_dir / "config.json")
-    target = load_target_config(target_config)
+    target = target_config if isinstance(target_config, dict) else read_target_config(target_config)
     family, n_layers = target_family(target), conv.n_layers_of(target)
     target_hidden = conv.hidden_size_of(target)
     target_vocab = target.get("vocab_size") or (target.get("text_config") or {}).get("vocab_size")
@@ -319,14 +313,14 @@ def inspect_draft(
 
     versions = dict(versions or {})
     engines = {}
-    for engine in ("sglang", "vllm"):
+    for engine in sorted(SERVING):  # sglang, then vllm
         version = versions.get(engine) or conv.installed_version(engine) or conv.KNOWN_VERSIONS[engine]
         engine_cfg = _vllm_view(cfg, fmt) if engine == "vllm" else cfg
         engines[engine] = _engine_view(engine, version, engine_cfg, family, n_layers)
-    fed = [v.boundaries for v in engines.values()]
-    agree = None if None in fed else fed[0] == fed[1]
+    sgl, vll = engines["sglang"].boundaries, engines["vllm"].boundaries
+    agree = None if sgl is None or vll is None else sgl == vll
     if agree is False:
-        problems.append(f"SGLang feeds h{fed[0]}, vLLM feeds h{fed[1]}: one of them serves other features")
+        problems.append(f"SGLang feeds h{sgl}, vLLM feeds h{vll}: one of them serves other features")
 
     stated = (cfg.get("eaglepipe") or {}).get("aux_boundaries")
     if stated is not None:
@@ -418,7 +412,7 @@ def format_report(report: Report) -> str:
     lines.append(f"fc       {list(report.fc_shape) if report.fc_shape else '?'}")
     lines.append(f"d2t      {report.d2t}")
     lines += [f"note     {n}" for n in report.notes]
-    problems = report.problems + [p for v in report.engines.values() for p in v.problems]
-    lines += [f"PROBLEM  {p}" for p in problems]
+    problems = report.problems + [problem for view in report.engines.values() for problem in view.problems]
+    lines += [f"PROBLEM  {problem}" for problem in problems]
     lines.append("OK" if report.ok else f"{len(problems)} problem(s)")
     return "\n".join(lines)

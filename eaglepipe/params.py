@@ -12,9 +12,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .engine_table import NAMES as ENGINE_NAMES
 from .errors import ParamsError
 
-Engine = Literal["hf", "vllm", "sglang"]
+Engine = Literal[ENGINE_NAMES]  # "hf" | "vllm" | "sglang" (eaglepipe/engine_table.py)
 
 
 class _Strict(BaseModel):
@@ -120,7 +121,7 @@ class Params(_Strict):
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(part) for part in e["loc"]) or "<root>"
         key = key.replace("validate_", "validate")
         if e["type"] == "extra_forbidden":
             lines.append(f"params.yaml: unknown key '{key}' (value {e['input']!r}); remove or rename it")

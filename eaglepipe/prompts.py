@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import atomic_path
 from .errors import ParamsError
 
 log = logging.getLogger(__name__)
@@ -277,11 +278,9 @@ def split(records: list[dict], n_train: int, n_eval: int, seed: int) -> tuple[li
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
     """Write records one JSON object per line (through a temp file + rename)."""
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -125,7 +125,7 @@ def inv_freq_and_scaling(
     fn = LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default" \
         else ROPE_INIT_FUNCTIONS[rope_type]
     inv_freq, scaling = fn(cfg, device=torch.device("cpu"))
-    return inv_freq.float(), float(scaling)  # shape: (head_dim/2,)
+    return inv_freq.float(), float(scaling)  # (head_dim/2,)
 
 
 def engine_fields(rope: dict) -> dict:

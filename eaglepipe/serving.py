@@ -13,9 +13,9 @@ import itertools
 from dataclasses import asdict, dataclass, field
 
 from . import convention
+from .engine_table import SERVING as SERVING_ENGINES
 from .errors import ConventionError, ParamsError
 
-SERVING_ENGINES = ("vllm", "sglang")
 SEARCH = 2  # each boundary may move by up to this much in the nearest-list search
 
 
@@ -92,10 +92,10 @@ def require_servable(framework: str, family: str, n_layers: int, layers: list[in
     ``framework`` "hf" needs no serving engine. The other engine's verdict is returned for export to record.
     """
     plans = plan(family, n_layers, layers)
-    p = plans.get(framework)
-    if p is not None and p.ids is None:
+    served = plans.get(framework)
+    if served is not None and served.ids is None:
         raise ParamsError(
-            f"params.yaml: layers = {layers} with framework = {framework}: {p.message(layers, n_layers)}; "
+            f"params.yaml: layers = {layers} with framework = {framework}: {served.message(layers, n_layers)}; "
             f"change 'layers' (or serve with another framework)"
         )
     return plans

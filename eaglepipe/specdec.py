@@ -79,7 +79,7 @@ class Target:
         dev = self.model.device
         with boundary_hooks(self.blocks, self.layers) as got:
             out = self.model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True)
-        aux = torch.stack([got[k][0] for k in self.layers], dim=1)  # shape: (T, L, Ht)
+        aux = torch.stack([got[k][0] for k in self.layers], dim=1)  # (T, L, Ht)
         return out.logits[0].float(), aux
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import EaglepipeError, ParamsError
-from .features import atomic_write_json
+from .atomic import atomic_write_json
 from .params import Params, load_params
 
 

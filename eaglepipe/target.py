@@ -10,14 +10,14 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import convention
+from .atomic import atomic_dir
 from .errors import ConventionError, ParamsError
 from .rope import rope_parameters
+from .target_config import lm_fields, read_target_config
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,9 @@ class TargetInfo:
     """What later stages need to know about the target (also ``metrics/target.json``).
 
     n_layers is N (decoder layers), so boundaries run over 0..N. ``family`` is the one answer to "which
-    layer-id rules apply" (:func:`eaglepipe.convention.family_of`), read by extract, validate, export,
-    inspect and the engines; ``rope`` is the RoPE the draft copies (:func:`eaglepipe.rope.rope_parameters`).
+    layer-id rules apply" (:func:`eaglepipe.convention.family_of`), read by extract, validate, export
+    and the engines; ``rope`` is the RoPE the draft copies (:func:`eaglepipe.rope.rope_parameters`). Built
+    by :func:`read_info` from the one reader of the target's config.json (:mod:`eaglepipe.target_config`).
     """
 
     source: str
@@ -83,8 +84,8 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
     Raises ParamsError (a target problem, exit code 2): an unknown family or a RoPE the draft cannot copy.
     """
     folder = Path(folder)
-    full = json.loads((folder / "config.json").read_text())
-    cfg = full.get("text_config", full)  # multimodal wrappers (gemma3) keep the LM fields there
+    full = read_target_config(folder)
+    cfg = lm_fields(full)  # multimodal wrappers (gemma3) keep the LM fields there
     tok_cfg = folder / "tokenizer_config.json"
     has_template = (folder / "chat_template.jinja").exists() or (
         tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text())
@@ -93,8 +94,8 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
         source=source,
         model_type=cfg["model_type"],
         family=target_family(full),
-        n_layers=int(cfg["num_hidden_layers"]),
-        hidden_size=int(cfg["hidden_size"]),
+        n_layers=convention.n_layers_of(full),
+        hidden_size=convention.hidden_size_of(full),
         vocab_size=int(cfg["vocab_size"]),
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype")),
         has_chat_template=has_template,
@@ -119,7 +120,7 @@ def _load_config(folder: Path):
     """
     from transformers import AutoConfig
 
-    raw = json.loads((folder / "config.json").read_text())
+    raw = read_target_config(folder)
     model_type = raw.get("model_type")
     if model_type in LOAD_AS:
         as_type, why = LOAD_AS[model_type]
@@ -184,15 +185,11 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
         if hasattr(model.config, attr):
             delattr(model.config, attr)
     model.is_quantized = False
-    tmp = Path(str(out_dir) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
     info = read_info(out_dir, source)
     log.info("target: %s", asdict(info))
     return info

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import EaglepipeError
+from .target_config import read_target_config
 
 NORM, EMBED, HEAD = "model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"
 
@@ -130,7 +131,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 def load_target_head(folder: str | Path) -> TargetHead:
     """Read norm / lm_head / embed_tokens (fp32) and rms_norm_eps from the target's HF folder."""
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_target_config(folder)
     files = _weight_files(folder)
     tied = HEAD not in files
     if tied and not cfg.get("tie_word_embeddings", False):
@@ -150,6 +151,3 @@ def load_target_head(folder: str | Path) -> TargetHead:
         tied=tied,
     )
 
-
-def load_target_config(folder: str | Path) -> dict:
-    return json.loads((Path(folder) / "config.json").read_text())

@@ -25,7 +25,7 @@ from .errors import CaptureMismatch
 
 @dataclass
 class Tokenized:
-    """input_ids int64 [T]; loss_mask bool [T]; assistant bool [T] (token t is assistant text)."""
+    """input_ids int64 (T,); loss_mask bool (T,); assistant bool (T,) (token t is assistant text)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor

@@ -8,9 +8,10 @@ with ChatML specials and chat template (ids < 99).
 
 from __future__ import annotations
 
-import json
 import string
 from pathlib import Path
+
+from .target_config import read_target_config, write_target_config
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
@@ -81,8 +82,7 @@ def build(name: str, out: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)
     if model_type is not None:
-        path = out / "config.json"
-        raw = json.loads(path.read_text())
+        raw = read_target_config(out)
         raw["model_type"] = model_type
-        path.write_text(json.dumps(raw, indent=2))
+        write_target_config(out, raw)
     return out

@@ -52,11 +52,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .atomic import atomic_path
 from .draft import DraftConfig, Eagle3Draft, n_params, save_draft
 from .errors import EaglepipeError, TrainingError
 from .features import FeatureSample, FeatureSet, SampleRef, non_finite, run_key
 from .params import TrainParams
-from .target_head import load_target_config, load_target_head, soft_targets
+from .target_config import read_target_config
+from .target_head import load_target_head, soft_targets
 from .ttt import Batch, TTTResult, TTTUnroll, compile_draft, tau_sim
 from .vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 
@@ -301,12 +303,6 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def atomic_save(obj, path: Path) -> None:
-    tmp = Path(str(path) + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- the loop
 
 
@@ -434,7 +430,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     (a sample longer than train.batch_tokens, non-finite features), FeatureStoreError (damaged shard).
     """
     features_dir = Path(features_dir)
-    target_cfg = load_target_config(target_dir)
+    target_cfg = read_target_config(target_dir)
     head = load_target_head(target_dir)
     n_aux = len(FeatureSet(features_dir).layers)
     cfg = DraftConfig.from_target(target_cfg, n_aux=n_aux, draft_vocab_size=p.draft_vocab_size)
@@ -505,8 +501,9 @@ def resume(run: Run) -> State:
 def checkpoint(run: Run, st: State) -> None:
     """Write ``run.ckpt`` atomically (rank 0); every rank waits for it."""
     if run.d.main:
-        atomic_save({"model": run.draft.state_dict(), "optimizer": run.opt.state_dict(),
-                     "scheduler": run.sched.state_dict(), "rng": rng_state(), "state": st}, run.ckpt)
+        with atomic_path(run.ckpt) as tmp:
+            torch.save({"model": run.draft.state_dict(), "optimizer": run.opt.state_dict(),
+                        "scheduler": run.sched.state_dict(), "rng": rng_state(), "state": st}, tmp)
     if run.d.world > 1:
         dist.barrier()
 

@@ -110,7 +110,7 @@ class OffsetReport:
 
 
 def _cos_rel(stored: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """stored, got: float32 [T, H]. Mean per-token cosine, and ‖got − stored‖ / ‖stored‖."""
+    """stored, got: float32 (T, H). Mean per-token cosine, and ‖got − stored‖ / ‖stored‖."""
     cos = torch.nn.functional.cosine_similarity(stored, got, dim=-1).mean().item()
     rel = ((got - stored).norm() / stored.norm().clamp_min(1e-12)).item()
     return cos, rel
@@ -126,7 +126,7 @@ def check_offsets(
         engine: a started :class:`eaglepipe.engines.base.Engine`.
         family: the target's model family (``convention.family_of``).
         layers: the stored boundaries (the manifest's ``layers``).
-        samples: stored samples; their ``aux`` is [T, L, H].
+        samples: stored samples; their ``aux`` is (T, L, H).
     Raises:
         ConventionError: the layers cannot be expressed for this engine.
     """
@@ -145,9 +145,9 @@ def check_offsets(
             f"{sorted(valid)} for {family} with N = {n_layers}: {sorted(set(ids) - valid)} name no capturable layer"
         )
     union = sorted({e + d for e in ids for d in range(-search, search + 1)} & valid)
-    caps = engine.capture([s.input_ids.tolist() for s in samples], union)  # per sample [T, len(union), H]
-    stored = torch.cat([s.aux.float() for s in samples])  # shape: (ΣT, L, H)
-    got = torch.cat(caps)  # shape: (ΣT, len(union), H)
+    caps = engine.capture([s.input_ids.tolist() for s in samples], union)  # per sample (T, len(union), H)
+    stored = torch.cat([s.aux.float() for s in samples])  # (ΣT, L, H)
+    got = torch.cat(caps)  # (ΣT, len(union), H)
     col = {x: i for i, x in enumerate(union)}
     reports = []
     for j, (k, e) in enumerate(zip(layers, ids)):

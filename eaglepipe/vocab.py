@@ -4,8 +4,8 @@ Id spaces: a *target id* indexes the target's vocabulary [0, V); a *draft id* in
 [0, Vd). Draft ids are the chosen target ids sorted ascending, so draft id i ↔ the i-th smallest chosen target id
 and ``t2d`` boolean indexing (``x[..., t2d]``) yields columns already in draft-id order.
 
-- ``d2t`` int64 [Vd]: offsets, target id = draft id + d2t[draft id] (a full-vocab draft has d2t all zeros).
-- ``t2d`` bool [V]: t2d[target id] = the token has a draft id.
+- ``d2t`` int64 (Vd,): offsets, target id = draft id + d2t[draft id] (a full-vocab draft has d2t all zeros).
+- ``t2d`` bool (V,): t2d[target id] = the token has a draft id.
 
 Choice: the Vd most frequent *predicted* tokens of the training split, i.e. input_ids[t+1] wherever
 loss_mask[t] (the tokens the loss trains the draft to produce). Ties break by lower target id first. When fewer
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DraftVocab:
-    target_ids: torch.Tensor  # int64 [Vd], ascending: target_ids[draft id] = target id
+    target_ids: torch.Tensor  # int64 (Vd,), ascending: target_ids[draft id] = target id
     vocab_size: int  # V
 
     @property
@@ -37,19 +37,19 @@ class DraftVocab:
 
     @property
     def d2t(self) -> torch.Tensor:
-        """int64 [Vd] offsets: target id = draft id + d2t[draft id]."""
+        """int64 (Vd,) offsets: target id = draft id + d2t[draft id]."""
         return self.target_ids - torch.arange(self.size, dtype=torch.int64)  # (Vd,)
 
     @property
     def t2d(self) -> torch.Tensor:
-        """bool [V]: target id is in the draft vocabulary."""
+        """bool (V,): target id is in the draft vocabulary."""
         m = torch.zeros(self.vocab_size, dtype=torch.bool)  # (V,)
         m[self.target_ids] = True
         return m
 
 
 def count_predicted_tokens(samples: Iterable[FeatureSample], vocab_size: int) -> torch.Tensor:
-    """int64 [V]: how often each target id is a trained prediction (input_ids[t+1] where loss_mask[t])."""
+    """int64 (V,): how often each target id is a trained prediction (input_ids[t+1] where loss_mask[t])."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)  # (V,)
     for s in samples:
         nxt = s.input_ids[1:][s.loss_mask[:-1].bool()]  # (n,) predicted tokens

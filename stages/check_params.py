@@ -10,7 +10,7 @@ constant, so a valid change of params reruns only the stages that read the chang
 import sys
 from pathlib import Path
 
-from eaglepipe.features import atomic_write_json
+from eaglepipe.atomic import atomic_write_json
 from eaglepipe.stage import run, start
 
 

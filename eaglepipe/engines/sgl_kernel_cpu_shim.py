@@ -63,9 +63,9 @@ def assign_req_to_token_pool_cpu(
                             = out_cache_loc[sum_{j<b} (end_offset[j] - start_offset[j]) : ... + that length]
 
     Args:
-        req_pool_indices: int [B], the row of each request in ``req_to_token``.
+        req_pool_indices: int (B,), the row of each request in ``req_to_token``.
         req_to_token: int32 [max_reqs, pool_len], token position → KV slot per request (modified in place).
-        start_offset, end_offset: int [B], the positions of the new tokens in each request.
+        start_offset, end_offset: int (B,), the positions of the new tokens in each request.
         out_cache_loc: int [sum(end - start)], the new KV slots, requests concatenated in batch order.
         pool_len: req_to_token.shape[1] (kept for the kernel's signature).
     """

@@ -1,38 +1,29 @@
 """The ``sglang`` engine: SGLang's own code (``sglang.Engine``, 0.5.23) behind :class:`Engine`.
 
-Id meaning (engine "sglang" in :mod:`eaglepipe.convention`): whatever SGLang's model class makes of the ids.
-This module passes ids through untouched, exactly as a draft's ``config.json`` would hand them to SGLang:
-for llama/qwen2/qwen3 ``set_eagle3_layers_to_capture`` stores ``layers_to_capture = [i + 1 for i in ids]``
-and the decoder loop records ``hidden_states + residual`` before layer i+1 runs, so id i = h[i+1] ("output
-of layer i"); DeepSeek-V2/V3 add the +1 only when ``ids[0] == 1``. Symbolically, SmolLM2 (N = 30)::
-
-    ids fed to SGLang     2      15      27
-    layers_to_capture     3      16      28     (captured before these layers run)
-    SGLang returns        h[3]   h[16]   h[28]  (vLLM would read the same ids as h[2], h[15], h[27])
+Ids are SGLang's own, passed through untouched exactly as a draft's ``config.json`` would hand them to
+SGLang (its model class's ``set_eagle3_layers_to_capture`` makes of them what it makes); which boundary h[k]
+each id is, per family and version, is :data:`eaglepipe.convention.RULES` alone.
 
 Capture path: the one that feeds a drafter at serving time. The target runs in SGLang's capture-only
 EAGLE-3 mode (server args ``enable_return_aux_hidden_states=True``, ``speculative_algorithm="EAGLE3"``
 naming the convention, ``return_aux_hidden_state_layer_ids=ids``): SGLang calls the model's
 ``set_eagle3_layers_to_capture(ids)``, and each request with ``return_hidden_states=True`` receives, per
-prompt token, the concatenated aux states (``[T, len(ids)·H]``) in place of the last hidden state. A
+prompt token, the concatenated aux states (``(T, len(ids)·H)``) in place of the last hidden state. A
 prefill with ``max_new_tokens=1`` (the sampled token is discarded); the radix cache is off, so every token
 is recomputed and captured.
 
-Processes: SGLang's ``Engine`` sets the global multiprocessing start method, installs signal handlers and
-starts a scheduler and a detokenizer process; on CPU it also needs the stand-ins of
-:mod:`.sgl_kernel_cpu_shim`. So it runs in a worker process of its own (``spawn``), driven through a pipe;
-the caller's process never imports sglang. The worker keeps sglang imported between instances; one
-SGLang instance ("mode") runs at a time:
+Processes: SGLang runs in a worker process of its own, driven through a pipe (:mod:`.sglang_worker`: why,
+and the protocol); the caller's process never imports sglang. The worker keeps sglang imported between
+instances; one SGLang instance ("mode") runs at a time:
 
 - ``("capture", ids)``: capture-only mode for exactly those ids. The ids are server arguments, so other ids
   need a new instance (~20–40 s on 2 cores) unless ``capture_ids`` declared a superset up front and the
-  superset gives every requested id the same meaning (checked with :mod:`eaglepipe.convention`:
-  DeepSeek's first-id heuristic reads a list as a whole).
+  superset gives every requested id the same meaning (:func:`eaglepipe.convention.same_meaning` decides).
 - ``("generate",)``: a plain instance. ``generate`` reuses a running capture instance instead of starting
   one (capture-only mode records aux states but leaves sampling untouched).
-- EAGLE-3 serving (:func:`serve_eagle3`): CUDA only — SGLang's EAGLE-3 worker needs its GPU kernels
-  (tree building/verification, draft KV bookkeeping: the ``*_cpu`` ops of sgl_kernel that the shim
-  refuses).
+- EAGLE-3 serving (:meth:`Engine.serve_eagle3`, measured in :mod:`.serve`): CUDA only — SGLang's EAGLE-3
+  worker needs its GPU kernels (tree building/verification, draft KV bookkeeping: the ``*_cpu`` ops of
+  sgl_kernel that the shim refuses).
 """
 
 from __future__ import annotations
@@ -40,22 +31,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import traceback
 from multiprocessing.connection import Connection
-from importlib.metadata import version as pkg_version
 from pathlib import Path
 
 import torch
 
 from .. import convention
-from ..errors import CaptureMismatch, ConventionError, EaglepipeError
-from .base import Engine, by_batch_size, groups as _groups, serve_summary
+from ..errors import ConventionError, ServingUnavailable
+from . import serve
+from .base import Engine
+from .serve import groups
+from .sglang_worker import SHIM_ENV, SGLangError, Worker, worker_main
 from .sglang_probe import capture_server_args
 
 log = logging.getLogger(__name__)
@@ -65,110 +53,12 @@ log = logging.getLogger(__name__)
 # through the stages (on the H200 without FA3: '{"attention_backend": "triton"}'); ``engine_kwargs`` wins.
 SERVER_ARGS_ENV = "EAGLEPIPE_SGLANG_ARGS"
 
-# Set to "1" in the worker's environment (inherited by SGLang's subprocesses) when the CPU stand-ins apply.
-_SHIM_ENV = "EAGLEPIPE_SGLANG_CPU_SHIM"
 
-
-class SGLangError(EaglepipeError):
-    """SGLang failed inside its worker; the message carries the worker's traceback."""
-
-
-# ------------------------------------------------------------------------------------------ the worker
-
-
-def _hidden_rows(entries: list, n_tokens: int, rid: int) -> torch.Tensor:
-    """Prompt rows of SGLang's ``meta_info["hidden_states"]``: float32 [T, D].
-
-    SGLang appends one 2-D entry per prefill chunk (``[chunk_len, D]``) and one 1-D entry per decode step;
-    the prompt's rows are the 2-D entries in order.
-    """
-    chunks = [torch.tensor(e, dtype=torch.float32) for e in entries if e and isinstance(e[0], list)]
-    rows = torch.cat(chunks) if chunks else torch.empty(0)  # shape: (T, D)
-    if rows.shape[0] != n_tokens:
-        raise CaptureMismatch(
-            f"sequence {rid}: SGLang returned hidden states for {rows.shape[0]} prompt tokens, expected "
-            f"{n_tokens} (a cached prefix is not recomputed; is the radix cache on?)"
-        )
-    return rows
-
-
-def _worker_main(conn: Connection) -> None:
-    """The worker process: owns one ``sglang.Engine`` at a time; answers (op, kwargs) messages on ``conn``.
-
-    Runs as ``python -m eaglepipe.engines.sglang`` (see the bottom of this file): SGLang's subprocesses are
-    started with ``spawn`` and re-run this file as ``__mp_main__`` before anything else, which installs the
-    CPU stand-ins in each of them before SGLang's code is unpickled there.
-    """
-    import sglang
-    from sglang.srt.entrypoints.engine import Engine as SGLEngine
-
-    engine = None
-
-    def stop():
-        nonlocal engine
-        if engine is not None:
-            engine.shutdown()
-            engine = None
-
-    while True:
-        try:
-            op, kw = conn.recv()
-        except EOFError:  # the driving process is gone
-            stop()
-            return
-        try:
-            if op == "start":
-                stop()
-                t0 = time.perf_counter()
-                engine = SGLEngine(**kw)
-                result = {"startup_s": time.perf_counter() - t0, "version": sglang.__version__}
-            elif op == "capture":
-                outs = engine.generate(
-                    input_ids=kw["sequences"], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                    return_hidden_states=True,
-                )
-                result = [
-                    _hidden_rows(o["meta_info"]["hidden_states"], len(s), j).numpy()
-                    for j, (s, o) in enumerate(zip(kw["sequences"], outs))
-                ]
-            elif op == "generate":
-                t0 = time.perf_counter()
-                outs = engine.generate(input_ids=kw["prompts"], sampling_params=kw["sampling_params"])
-                result = {
-                    "outputs": [list(o["output_ids"]) for o in outs],
-                    "meta": [{k: v for k, v in o["meta_info"].items() if k.startswith(("spec_", "completion"))}
-                             for o in outs],
-                    "seconds": time.perf_counter() - t0,
-                }
-            elif op == "stop":
-                stop()
-                result = None
-            elif op == "exit":
-                stop()
-                conn.send(("ok", None))
-                return
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            conn.send(("ok", result))
-        except BaseException:  # noqa: BLE001 — everything goes back to the caller, the worker lives on
-            conn.send(("error", traceback.format_exc()))
+class SGLangServingUnavailable(SGLangError, ServingUnavailable):
+    """SGLang's EAGLE-3 serving needs CUDA (its sgl_kernel GPU kernels); raised before anything starts."""
 
 
 # ------------------------------------------------------------------------------------------ the engine
-
-
-def _n_layers(target_dir: Path) -> int:
-    return convention.n_layers_of(json.loads((Path(target_dir) / "config.json").read_text()))
-
-
-def _family(target_dir: Path) -> str | None:
-    from ..errors import ParamsError
-    from ..target import target_family
-
-    try:
-        return target_family(json.loads((Path(target_dir) / "config.json").read_text()))
-    except (ConventionError, ParamsError):
-        return None
 
 
 def draft_layer_ids(draft_dir: str | Path) -> list[int] | None:
@@ -209,73 +99,32 @@ class SGLangEngine(Engine):
     def __init__(
         self, target_dir, dtype: str = "float32", device: str | None = None, max_total_tokens: int = 8192,
         capture_ids: list[int] | None = None, seed: int = 0, log_level: str = "error",
-        start_timeout: float = 900, engine_kwargs: dict | None = None, **_,
+        start_timeout: float = 900, engine_kwargs: dict | None = None, info=None, **_,
     ):
-        super().__init__(target_dir, dtype)
+        super().__init__(target_dir, dtype, info)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.n_layers = _n_layers(self.target_dir)
-        self.family = _family(self.target_dir)
         self.max_total_tokens = max_total_tokens
         self.capture_ids = sorted(set(capture_ids or []))
         self.seed = seed
         self.log_level = log_level
-        self.timeout = start_timeout
         self.engine_kwargs = {**json.loads(os.environ.get(SERVER_ARGS_ENV) or "{}"), **(engine_kwargs or {})}
         self.startup_s: dict[str, float] = {}
         self._version: str | None = None
-        self._proc = None
-        self._conn = None
+        self._worker = Worker(self.device, start_timeout)
         self._mode: tuple | None = None
 
     @property
     def version(self) -> str:
-        return self._version or pkg_version("sglang")
+        return self._version or super().version
 
-    # ---------------------------------------------------------------- worker and instances
-
-    def _spawn_worker(self) -> None:
-        """Start ``python -m eaglepipe.engines.sglang FD`` with one end of a socket pair as its pipe."""
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ, HF_HUB_OFFLINE="1")  # targets are local folders; never reach for a hub
-        env[_SHIM_ENV] = "1" if self.device == "cpu" else "0"
-        if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU branches (without it: GPU paths, vllm imports)
-        fd = child_sock.fileno()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(fd)], env=env, pass_fds=(fd,), start_new_session=True,
-        )
-        child_sock.close()
-        self._conn = Connection(parent_sock.detach())
+    # ---------------------------------------------------------------- instances (one worker, :mod:`.sglang_worker`)
 
     def _call(self, op: str, **kw):
-        if self._proc is None:
-            self._spawn_worker()
-        self._conn.send((op, kw))
-        if not self._conn.poll(self.timeout):
-            self._kill()
-            raise SGLangError(f"SGLang worker gave no answer to {op!r} within {self.timeout:.0f} s; killed it")
         try:
-            status, result = self._conn.recv()
-        except EOFError:
-            code = self._proc.wait(10)
-            self._kill()
-            raise SGLangError(f"SGLang worker died during {op!r} (exit code {code})") from None
-        if status == "error":
-            raise SGLangError(f"SGLang failed during {op!r} (worker traceback follows)\n{result}")
-        return result
-
-    def _kill(self) -> None:
-        """Kill the worker and every process SGLang started under it."""
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                try:
-                    os.killpg(self._proc.pid, signal.SIGKILL)  # the worker leads its own process group
-                except ProcessLookupError:
-                    pass
-            self._proc.wait(10)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc, self._conn, self._mode = None, None, None
+            return self._worker.call(op, **kw)
+        finally:
+            if not self._worker.running:  # killed (hung or dead): no instance runs any more
+                self._mode = None
 
     def _start(self, mode: tuple, **server_args) -> None:
         """Make ``mode`` the running SGLang instance (stopping another one first) and time its start."""
@@ -296,15 +145,8 @@ class SGLangEngine(Engine):
 
     def close(self) -> None:
         """Stop SGLang and its worker (gracefully, else by killing its process group). Safe to call twice."""
-        if self._proc is not None and self._proc.poll() is None:
-            try:
-                self._conn.send(("exit", {}))
-                if self._conn.poll(60):
-                    self._conn.recv()
-                self._proc.wait(30)
-            except (OSError, EOFError, subprocess.TimeoutExpired):
-                pass
-        self._kill()
+        self._worker.close()
+        self._mode = None
 
     def __del__(self):
         try:
@@ -315,17 +157,7 @@ class SGLangEngine(Engine):
     # ---------------------------------------------------------------- capture
 
     def _same_meaning(self, ids: list[int], recorded: list[int]) -> bool:
-        """Do ``ids`` mean the same boundaries inside the list ``recorded`` as fed alone?"""
-        if ids == recorded:
-            return True
-        if not set(ids) <= set(recorded) or self.family is None:
-            return False
-        try:
-            alone = convention.boundaries_of("sglang", self.family, ids, self.n_layers)
-            within = convention.boundaries_of("sglang", self.family, recorded, self.n_layers)
-        except ConventionError:
-            return False
-        return [within[recorded.index(i)] for i in ids] == alone
+        return convention.same_meaning("sglang", self.info.family, ids, recorded, self.n_layers)
 
     def _capture_instance(self, ids: list[int]) -> list[int]:
         """Start (or reuse) a capture-only instance that records ``ids``; returns the ids it records."""
@@ -340,7 +172,7 @@ class SGLangEngine(Engine):
         return recorded
 
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
-        """What SGLang feeds an EAGLE-3 drafter for ``ids`` (SGLang meaning), per sequence float32 [T, len(ids), H].
+        """What SGLang feeds an EAGLE-3 drafter for ``ids`` (SGLang meaning), per sequence float32 (T, len(ids), H).
 
         Raises ValueError for ids that are not strictly ascending or outside SGLang's accepted [0, N)
         (SGLang's own check; an id whose layer the model cannot capture, e.g. N-1 for llama, fails at
@@ -358,9 +190,9 @@ class SGLangEngine(Engine):
         rows = self._call("capture", sequences=[list(map(int, s)) for s in sequences])
         out = []
         for r in rows:
-            hs = torch.from_numpy(r)  # shape: (T, len(recorded) * H), SGLang's concatenation
-            hs = hs.view(hs.shape[0], len(recorded), -1)  # shape: (T, len(recorded), H)
-            out.append(hs[:, cols].contiguous())  # shape: (T, len(ids), H)
+            hs = torch.from_numpy(r)  # (T, len(recorded) * H), SGLang's concatenation
+            hs = hs.view(hs.shape[0], len(recorded), -1)  # (T, len(recorded), H)
+            out.append(hs[:, cols].contiguous())  # (T, len(ids), H)
         return out
 
     def capture_for_draft(self, sequences: list[list[int]], draft_dir: str | Path) -> list[torch.Tensor]:
@@ -389,7 +221,7 @@ class SGLangEngine(Engine):
         """
         if self._mode is None or self._mode[0] not in ("capture", "generate"):
             self._start(("generate",))
-        res = self._call("generate", prompts=[list(map(int, p)) for p in prompts],
+        res = self._call("generate", prompts=[list(map(int, prompt)) for prompt in prompts],
                          sampling_params=self._sampling(len(prompts), max_new_tokens, temperature, seed))
         return res["outputs"]
 
@@ -405,8 +237,8 @@ class SGLangEngine(Engine):
         self._start(mode, **server_args)
         self._call("generate", prompts=[list(prompts[0])], sampling_params=self._sampling(1, 1, 0.0, 0))
         res = {"outputs": [], "meta": [], "seconds": 0.0}
-        for group in _groups(prompts, batch_size):
-            r = self._call("generate", prompts=[list(map(int, p)) for p in group],
+        for group in groups(prompts, batch_size):
+            r = self._call("generate", prompts=[list(map(int, prompt)) for prompt in group],
                            sampling_params=self._sampling(len(group), max_new_tokens, 0.0, 0))
             res = {"outputs": res["outputs"] + r["outputs"], "meta": res["meta"] + r["meta"],
                    "seconds": res["seconds"] + r["seconds"]}
@@ -414,91 +246,47 @@ class SGLangEngine(Engine):
         return {**res, "tokens": n, "tokens_per_s": n / res["seconds"], "startup_s": self.startup_s[mode[0]],
                 "batch_size": batch_size}
 
+    # ---------------------------------------------------------------- serving (eaglepipe/engines/serve.py)
 
-def eagle3_server_args(draft_dir: str | Path, k: int) -> dict:
-    """SGLang server arguments that serve ``draft_dir`` with EAGLE-3, k drafted tokens per step (a chain)."""
-    return {
-        "speculative_algorithm": "EAGLE3",
-        "speculative_draft_model_path": str(draft_dir),
-        "speculative_num_steps": k,  # draft forward passes per step
-        "speculative_eagle_topk": 1,  # a chain, not a tree: comparable with vLLM's k
-        "speculative_num_draft_tokens": k + 1,  # the verified block: last accepted token + k drafts
-    }
+    def eagle3_args(self, draft_dir: str | Path, k: int) -> dict:
+        """SGLang's EAGLE-3 server arguments; raises SGLangServingUnavailable without CUDA."""
+        if not torch.cuda.is_available():
+            raise SGLangServingUnavailable(
+                "EAGLE-3 serving with SGLang needs CUDA: its EAGLE worker builds and verifies draft trees and "
+                "keeps the draft's KV with sgl_kernel GPU kernels, whose CPU builds are not published (see "
+                "eaglepipe/engines/sgl_kernel_cpu_shim.py). Run serve_eval for sglang on a CUDA machine."
+            )
+        return serve.sglang_server_args(draft_dir, k)
+
+    def spec_figures(self, run: dict, k: int) -> dict:
+        return serve.spec_acceptance(run["meta"], k)
+
+
+eagle3_server_args = serve.sglang_server_args  # the import paths of benchmarks/ and tests/ keep working
+spec_acceptance = serve.spec_acceptance
 
 
 def serve_eagle3(
     target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
     engine: SGLangEngine | None = None, batch_sizes: tuple = (None,), **engine_opts,
 ) -> dict:
-    """Serve ``draft_dir`` with SGLang's EAGLE-3 (k drafted tokens per step) and the target without it; compare.
+    """:func:`eaglepipe.engines.serve.serve_eagle3` on SGLang (``engine_opts``: :class:`SGLangEngine`'s).
 
-    CUDA only: SGLang's EAGLE-3 worker needs its GPU kernels (on CPU the tree/verify/draft-KV ops are the
-    unpublished ``*_cpu`` kernels); raises SGLangError on a machine without CUDA. Both runs are greedy,
-    same prompts (token ids) and ``max_new_tokens``. From SGLang's own per-request ``meta_info``
-    (srt/managers/tokenizer_manager.py ``_calculate_spec_decoding_metrics``): τ = 1 + Σ spec_num_correct_drafts
-    / Σ spec_verify_ct (tokens per target forward, prefill not counted: the reference decoder's and vLLM's
-    definition), and acceptance at draft position i = verify steps that accepted ≥ i drafts / verify steps,
-    from ``spec_correct_drafts_histogram`` (index a = steps that accepted a drafts; a chain, topk 1).
-    SGLang's own ``spec_accept_length`` (completion_tokens / verify_ct, which counts the prefill's token)
-    is reported beside it as ``tau_sglang_accept_length``.
-
-    Args:
-        batch_sizes: concurrency levels to time on the same two instances (first = top-level figures).
-    Returns:
-        dict with k, tau, tau_sglang_accept_length, acceptance_per_pos, accept_rate (accepted drafts /
-        proposed), verify_steps, tokens_per_s_draft, tokens_per_s_plain, speedup, startup_s_draft,
-        startup_s_plain, outputs_draft, outputs_plain, outputs_equal, prompts, max_new_tokens,
-        engine_version, and ``by_batch_size`` when more than one batch size is timed.
+    CUDA only (:meth:`SGLangEngine.eagle3_args`); raises SGLangServingUnavailable before anything starts
+    on a machine without CUDA.
     """
-    if not torch.cuda.is_available():
-        raise SGLangError(
-            "EAGLE-3 serving with SGLang needs CUDA: its EAGLE worker builds and verifies draft trees and "
-            "keeps the draft's KV with sgl_kernel GPU kernels, whose CPU builds are not published (see "
-            "eaglepipe/engines/sgl_kernel_cpu_shim.py). Run serve_eval for sglang on a CUDA machine."
-        )
-    own = engine is None
-    engine = engine or SGLangEngine(target_dir, **engine_opts)
-    try:
-        args = eagle3_server_args(draft_dir, k)
-        d = [engine.generate_timed(prompts, max_new_tokens, batch_size=b, **args) for b in batch_sizes]
-        p = [engine.generate_timed(prompts, max_new_tokens, batch_size=b) for b in batch_sizes]
-    finally:
-        if own:
-            engine.close()
-    runs = [{**serve_summary(k, len(prompts), max_new_tokens, di, pi, engine.version), **spec_acceptance(di["meta"], k)}
-            for di, pi in zip(d, p)]
-    return by_batch_size(runs, batch_sizes)
-
-
-def spec_acceptance(meta: list[dict], k: int) -> dict:
-    """τ and acceptance per draft position from SGLang's per-request ``meta_info`` (see :func:`serve_eagle3`)."""
-    verify = sum(m.get("spec_verify_ct", 0) for m in meta)
-    correct = sum(m.get("spec_num_correct_drafts", 0) for m in meta)
-    proposed = sum(m.get("spec_num_proposed_drafts", 0) for m in meta)
-    completion = sum(m.get("completion_tokens", 0) for m in meta)
-    hist = [0] * (k + 1)  # hist[a] = verify steps that accepted a drafts
-    for m in meta:
-        for a, n in enumerate(m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram") or []):
-            hist[min(a, k)] += n
-    steps = max(sum(hist), 1)
-    return {
-        "tau": 1 + correct / max(verify, 1),
-        "tau_sglang_accept_length": completion / max(verify, 1),
-        "acceptance_per_pos": [sum(hist[i:]) / steps for i in range(1, k + 1)],
-        "accept_rate": correct / max(proposed, 1),
-        "verify_steps": verify,
-        "histogram_steps": sum(hist),
-    }
+    return serve.serve_eagle3("sglang", target_dir, draft_dir, prompts, k, max_new_tokens, engine, batch_sizes,
+                              **engine_opts)
 
 
 # ------------------------------------------------------------------------------------------ entry points
 # ``__main__``: the worker, started by SGLangEngine with the fd of its end of the pipe.
 # ``__mp_main__``: a process SGLang spawned from the worker (scheduler, detokenizer); multiprocessing re-runs
 # the parent's main module under this name before it unpickles the process' target and arguments.
-if __name__ in ("__main__", "__mp_main__") and os.environ.get(_SHIM_ENV) == "1":
+if __name__ in ("__main__", "__mp_main__") and os.environ.get(SHIM_ENV) == "1":
     from eaglepipe.engines import sgl_kernel_cpu_shim
 
     sgl_kernel_cpu_shim.install()  # before anything imports sglang in this process
 
 if __name__ == "__main__":
-    _worker_main(Connection(int(sys.argv[1])))
+    worker_main(Connection(int(sys.argv[1])))

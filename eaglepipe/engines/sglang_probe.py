@@ -50,9 +50,9 @@ def probe_draft(target_dir: Path, ids: list[int], work_dir: Path, dtype: str = "
     from .. import convention
     from ..draft import DraftConfig, Eagle3Draft
     from ..export import draft_config_json
+    from ..target_config import lm_fields, read_target_config
 
-    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    text_cfg = target_cfg.get("text_config", target_cfg)
+    text_cfg = lm_fields(read_target_config(target_dir))
     key = hashlib.sha256(json.dumps([str(target_dir), list(ids), dtype]).encode()).hexdigest()[:12]
     out = Path(work_dir) / f"probe-{key}"
     if (out / "config.json").exists():

