@@ -103,7 +103,7 @@ def reference(a) -> None:
     from eaglepipe.specdec import greedy_generate  # noqa: F401  (imported for the record of what ran)
 
     w, prompts = Path(a.work), _prompts(a)
-    res = reference_eval(w / "target", w / "drafter", LAYERS, prompts, K, a.max_new)
+    res = reference_eval(w / "target", w / "drafter", LAYERS, prompts, K, a.max_new, keep_outputs=True)
     _write(Path(a.out), "reference.json", {"engine": "reference", "dtype": "float32",
                                            "prompt_ids": [p["id"] for p in prompts], **res, **_gpu()})
 
@@ -175,7 +175,7 @@ def seeds(a) -> None:
         from benchmarks.support_matrix import _conversations
 
         shutil.rmtree(w, ignore_errors=True)
-        info = materialize_target(str(build("kimi_k2", w / "src")), w / "target")
+        info = materialize_target(str(_real_mla_dims(build("kimi_k2", w / "src"))), w / "target")
         p = ExtractParams(engine="vllm", regenerate=False, batch_size=4, max_length=64, dtype="bfloat16",
                           engine_dtype="bfloat16", shard_size=8)  # vLLM's CUDA MLA kernels have no fp32
         manifest, _ = extract(_conversations(16), w / "target", info, SEEDS_LAYERS, p, w / "features",
@@ -216,41 +216,80 @@ def seeds(a) -> None:
                                               "planted_ids": bad["ids"], "planted": bad, "served": served, **_gpu()})
 
 
+def _real_mla_dims(src: Path) -> Path:
+    """The tiny kimi_k2 with DeepSeek-V3's own MLA head dims (qk_nope 128, qk_rope 64, v 128), re-initialized.
+
+    vLLM 0.26's CUDA MLA prefill backends accept only a few (qk_nope, qk_rope, v) triples
+    (vllm/v1/attention/backends/mla/prefill/flash_attn.py ``supports_mla_dimensions``: DeepSeek's, GLM's,
+    Mistral's); the CPU-sized tiny target's (32, 64, 32) is refused there (seen on the H200).
+    """
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    raw = json.loads((src / "config.json").read_text())
+    cfg = DeepseekV3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = 128, 64, 128
+    cfg.head_dim = cfg.qk_rope_head_dim
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(src)
+    saved = json.loads((src / "config.json").read_text())
+    saved["model_type"] = raw["model_type"]  # kimi_k2 stays kimi_k2 (the target stage maps it)
+    (src / "config.json").write_text(json.dumps(saved, indent=2))
+    return src
+
+
+_FIELDS = ("tau", "acceptance_per_pos", "outputs_equal", "engine_version", "dtype", "prompts", "max_new_tokens",
+           "tokens_per_s_draft", "tokens_per_s_plain", "speedup", "startup_s_draft", "startup_s_plain",
+           "engine_options", "tau_sglang_accept_length", "accept_rate", "drafts", "accepted_tokens",
+           "verify_steps", "device", "prompts_equal", "rounds", "new_tokens", "prompt_ids")
+
+
+def _row(r: dict, name: str, greedy: dict) -> dict:
+    """One engine's entry of serve_eval.json; ``greedy``: prompt id → the reference decoder's greedy output."""
+    row = {k: r[k] for k in _FIELDS if k in r}
+    if name.startswith("reference"):
+        row["engine_version"] = "eaglepipe specdec (HF transformers target, fp32)"
+        row["speedup_bs1"], row["speedup_bs8"] = r.get("speedup"), None
+        return row
+    by = r.get("by_batch_size", {})
+    row.update(speedup_bs1=by.get("1", {}).get("speedup"), speedup_bs8=by.get("8", {}).get("speedup"), by_batch_size=by)
+    same = [greedy[i] == o for i, o in zip(r["prompt_ids"], r["outputs_plain"]) if i in greedy]
+    row["plain_equal_to_reference_greedy"] = f"{sum(same)}/{len(same)}" if same else "reference outputs not kept"
+    row["outputs"] = {"draft": r["outputs_draft"], "plain": r["outputs_plain"]}
+    return row
+
+
 def merge(a) -> None:
-    """HERE: the device's step files (``--out``) → the committed benchmarks/h200/*.json."""
+    """HERE: the device's step files (``--out``) → the committed benchmarks/h200/*.json.
+
+    ``notes.json`` in ``--out`` (written by hand from the call logs) records what did not run and why.
+    """
     src, dst = Path(a.out), REPO / "benchmarks" / "h200"
     load = lambda n: json.loads((src / n).read_text()) if (src / n).exists() else None  # noqa: E731
-    fields = ("tau", "acceptance_per_pos", "outputs_equal", "engine_version", "tokens_per_s_draft",
-              "tokens_per_s_plain", "speedup", "startup_s_draft", "startup_s_plain", "dtype", "engine_options",
-              "tau_sglang_accept_length", "accept_rate", "drafts", "accepted_tokens", "verify_steps", "device",
-              "prompts_equal", "rounds", "new_tokens")
-    out = {"produced_by": "scripts/gpu_engines/suite.sh + python benchmarks/h200_engines.py merge", "k": K}
-    for name, f in (("vllm", "serve_vllm.json"), ("sglang", "serve_sglang.json"), ("reference", "reference.json")):
+    notes = load("notes.json") or {}
+    out = {"produced_by": "scripts/gpu_engines/suite.sh + python benchmarks/h200_engines.py merge", "k": K,
+           **{k: v for k, v in notes.items() if k not in ("not_run", "extract", "validate", "seeds")}}
+    refs = [r for r in (load("reference.json"), load("reference_cpu.json")) if r]
+    greedy = {i: o for r in refs for i, o in zip(r["prompt_ids"], r.get("outputs_greedy", []))}
+    for name, f in (("vllm", "serve_vllm.json"), ("sglang", "serve_sglang.json"), ("reference", "reference.json"),
+                    ("reference_cpu", "reference_cpu.json")):
         r = load(f)
-        if r is None:
-            out[name] = {"not_run": f"{f} did not come back"}
-            continue
-        row = {k: r[k] for k in fields if k in r}
-        if name == "reference":
-            row["engine_version"] = "eaglepipe specdec (HF transformers target, fp32)"
-            row["speedup_bs1"], row["speedup_bs8"] = r.get("speedup"), None
-        else:
-            by = r.get("by_batch_size", {})
-            row["speedup_bs1"] = by.get("1", {}).get("speedup")
-            row["speedup_bs8"] = by.get("8", {}).get("speedup")
-            row["by_batch_size"] = by
-            row["outputs"] = {"draft": r["outputs_draft"], "plain": r["outputs_plain"]}
-        row["prompt_ids"] = r.get("prompt_ids")
-        out[name] = row
-    out["prompts"] = (load("serve_vllm.json") or load("serve_sglang.json") or {}).get("prompt_ids")
+        if r is not None:
+            out[name] = _row(r, name, greedy)
+        elif name in notes.get("not_run", {}):
+            out[name] = {"not_run": notes["not_run"][name]}
     (dst / "serve_eval.json").write_text(json.dumps(out, indent=2) + "\n")
     seeds_s, seeds_v = load("seeds_sglang.json"), load("seeds_vllm.json")
     if seeds_s:
         (dst / "offsets_sglang_deepseek.json").write_text(json.dumps({"target": seeds_v, **seeds_s}, indent=2) + "\n")
-    ex = {e: load(f"extract_{e}.json") for e in ("hf", "vllm")}
-    val = {e: load(f"validate_{e}.json") for e in ("vllm", "sglang")}
-    (dst / "extract_engines.json").write_text(json.dumps({"extract": ex, "validate_offsets": val}, indent=2) + "\n")
-    print(json.dumps({k: {f: v.get(f) for f in ("tau", "speedup_bs1", "speedup_bs8", "outputs_equal")}
+    ex = {e: load(f"extract_{e}.json") or {"not_run": notes.get("extract", {}).get(e)} for e in ("hf", "vllm")}
+    val = {e: load(f"validate_{e}.json") or {"not_run": notes.get("validate", {}).get(e)} for e in ("vllm", "sglang")}
+    seeds = {"vllm": seeds_v or {"not_run": notes.get("seeds", {}).get("vllm")},
+             "sglang": seeds_s or {"not_run": notes.get("seeds", {}).get("sglang")}}
+    (dst / "extract_engines.json").write_text(json.dumps({"extract": ex, "validate_offsets": val, "seeds": seeds,
+                                                          "checks": {e: load(f"check_{e}.json") for e in ("vllm", "sglang")}},
+                                                         indent=2) + "\n")
+    print(json.dumps({k: {f: v.get(f) for f in ("tau", "speedup_bs1", "speedup_bs8", "outputs_equal", "not_run")}
                       for k, v in out.items() if isinstance(v, dict)}, indent=1))
 
 
@@ -263,9 +302,11 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/out")
     ap.add_argument("--prompts", type=int, default=32, help="MT-bench first turns served")
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None, help="serving dtype; default float32 for vllm, bfloat16 for sglang "
+                    "(sgl_kernel's rmsnorm has no float32 kernel: 'failed to dispatch data type Float', seen on the H200)")
     ap.add_argument("--n", type=int, default=128, help="training conversations extracted")
     a = ap.parse_args()
+    a.dtype = a.dtype or ("bfloat16" if a.engine == "sglang" else "float32")
     steps = {"prep": prep, "serve": serve, "reference": reference, "extract": extract_step,
              "validate": validate_step, "seeds": seeds, "merge": merge}
     steps[a.step](a)

@@ -32,12 +32,14 @@ def eval_prompts(tok, records: list[dict], n: int) -> list[dict]:
 
 @torch.inference_mode()
 def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], prompts: list[dict], k: int,
-                   max_new_tokens: int) -> dict:
+                   max_new_tokens: int, keep_outputs: bool = False) -> dict:
     """τ, acceptance per position and tokens/s of the plain-torch speculative decoder (HF target + draft)
     against plain greedy decoding of the same target, on the same prompts (fp32, CPU or CUDA).
 
     Returns a dict: tau, acceptance_per_pos, tau_by_source, tokens_per_s_draft / _plain, speedup,
-    outputs_equal (speculative output == greedy output, token for token, for every prompt).
+    outputs_equal (speculative output == greedy output, token for token, for every prompt), and with
+    ``keep_outputs`` the greedy outputs (token ids per prompt) as ``outputs_greedy``, to compare with an
+    engine's plain outputs.
     """
     from transformers import AutoModelForCausalLM
 
@@ -47,12 +49,13 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     embed = model.model.embed_tokens.weight
-    total, by_source, equal, plain_s, plain_tokens = SpecStats(k), {}, 0, 0.0, 0
+    total, by_source, equal, plain_s, plain_tokens, greedy = SpecStats(k), {}, 0, 0.0, 0, []
     for prompt in tqdm(prompts, desc="reference τ", unit="prompt"):
         out, st = speculative_generate(Target(model, layers), Eagle3Drafter(draft, embed), prompt["input_ids"], k,
                                        max_new_tokens, eos_ids)
         ref, sec = greedy_generate(model, prompt["input_ids"], max_new_tokens, eos_ids)
         equal += out == ref
+        greedy.append(ref)
         plain_s, plain_tokens = plain_s + sec, plain_tokens + len(ref)
         total += st
         by_source.setdefault(prompt["source"], SpecStats(k)).__iadd__(st)
@@ -64,6 +67,7 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
         "tau_by_source": {s: v.tau for s, v in by_source.items()},
         "tokens_per_s_draft": tps_draft, "tokens_per_s_plain": tps_plain, "speedup": tps_draft / tps_plain,
         "outputs_equal": equal == len(prompts), "prompts_equal": equal,
+        **({"outputs_greedy": greedy} if keep_outputs else {}),
     }
 
 

