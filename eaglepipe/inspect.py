@@ -29,7 +29,7 @@ from . import convention as conv
 from .engine_table import SERVING
 from .errors import ConventionError, EaglepipeError
 from .target import target_family
-from .target_config import read_target_config
+from .target_config import read_json, read_target_config
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,7 @@ class Report:
 # --- files -------------------------------------------------------------------------------------------------
 
 
-def _load_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EaglepipeError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise EaglepipeError(f"{path}: not valid JSON ({e})") from None
+_load_json = read_json  # draft folders' config.json and friends: the same one-line errors as the target's
 
 
 def safetensors_header(path: Path) -> dict:

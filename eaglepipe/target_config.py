@@ -22,7 +22,12 @@ def read_target_config(path: str | Path) -> dict:
     Raises EaglepipeError when it is missing or not valid JSON.
     """
     path = Path(path)
-    file = path / CONFIG_FILE if path.is_dir() else path
+    return read_json(path / CONFIG_FILE if path.is_dir() else path)
+
+
+def read_json(file: str | Path) -> dict:
+    """A JSON file's content. Raises EaglepipeError when it is missing or not valid JSON (one line, no traceback)."""
+    file = Path(file)
     try:
         return json.loads(file.read_text())
     except FileNotFoundError:

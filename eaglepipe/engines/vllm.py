@@ -354,6 +354,10 @@ def _wait_written(llm, path: str, seq: int, timeout: float = WRITE_TIMEOUT_S) ->
     blocking, step the engine while it is held, and raise CaptureMismatch after ``timeout`` seconds.
     """
     lock = path + ".lock"
+    # Only an in-process engine core may be stepped from here: a multiprocess client's step() waits for
+    # outputs that never come once no request is in flight (vllm/v1/engine/core_client.py SyncMPClient).
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    in_process = type(core).__name__ == "InprocClient"
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         try:
@@ -365,9 +369,9 @@ def _wait_written(llm, path: str, seq: int, timeout: float = WRITE_TIMEOUT_S) ->
         except FileNotFoundError:
             if os.path.exists(path):
                 return  # written without a lock file (use_synchronization_lock off)
-        try:
-            llm.llm_engine.step()  # in-process engine: lets the connector run its pending save
-        except Exception:  # noqa: BLE001 — a multiprocess engine steps itself; just wait
-            time.sleep(0.05)
+        if in_process:
+            llm.llm_engine.step()  # lets the connector run its pending save
+        else:
+            time.sleep(0.02)  # the engine process runs the save on its own
     raise CaptureMismatch(f"sequence {seq}: vLLM's connector did not write {path} within {timeout:.0f} s "
                           "(engine not stepping? see _wait_written)")
