@@ -123,6 +123,7 @@ from packaging.version import InvalidVersion, Version
 
 from . import engine_table
 from .errors import ConventionError
+from .boundaries import list_problem
 
 CONVENTION = (
     "h[k] residual-stream boundary; 0 = embeddings, k = input of decoder layer k, "
@@ -360,15 +361,10 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
 
 def _check_boundaries(boundaries: list[int], n_layers: int) -> list[int]:
     b = list(boundaries)
-    if not b:
-        raise ConventionError("empty boundary list; give at least one h[k]")
-    if any(not isinstance(k, int) or isinstance(k, bool) for k in b):
-        raise ConventionError(f"boundaries {b} must be integers")
-    if len(set(b)) != len(b):
-        raise ConventionError(f"boundaries {b} have duplicates; each h[k] may appear once")
-    if b != sorted(b):
-        raise ConventionError(f"boundaries {b} are not ascending; engines concatenate in ascending order")
-    if b[0] < 0 or b[-1] > n_layers:
+    problem = list_problem(b)
+    if problem:
+        raise ConventionError(f"boundary list {problem}" if b else "empty boundary list; give at least one h[k]")
+    if b[-1] > n_layers:
         raise ConventionError(f"boundaries {b} outside [0, {n_layers}] (N = {n_layers} decoder layers)")
     return b
 

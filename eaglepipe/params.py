@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .engine_table import NAMES as ENGINE_NAMES
 from .errors import ParamsError
+from .boundaries import list_problem
 
 Engine = Literal[ENGINE_NAMES]  # "hf" | "vllm" | "sglang" (eaglepipe/engine_table.py)
 
@@ -107,14 +108,9 @@ class Params(_Strict):
     @field_validator("layers")
     @classmethod
     def _layers(cls, v: list[int]) -> list[int]:
-        if not v:
-            raise ValueError("is empty; give at least one boundary index, e.g. [2, 15, 27]")
-        if len(set(v)) != len(v):
-            raise ValueError(f"{v} has duplicates; each boundary may appear once")
-        if v != sorted(v):
-            raise ValueError(f"{v} is not ascending; engines concatenate aux states in ascending order")
-        if v[0] < 0:
-            raise ValueError(f"{v} has a negative boundary; allowed: 0 (embeddings) .. N (last layer)")
+        problem = list_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
 
