@@ -70,7 +70,9 @@ def _prompts(a) -> list[dict]:
     from eaglepipe.evaluate import eval_prompts
     from eaglepipe.prompts import read_jsonl
 
-    recs = [r for r in read_jsonl(Path(a.inputs) / "prompts" / "eval.jsonl") if r.get("source") == "mtbench"]
+    recs = [r for r in read_jsonl(Path(a.inputs) / "prompts" / "eval.jsonl") if r.get("source") == a.source]
+    if not recs:
+        raise SystemExit(f"no {a.source!r} records in the carried eval.jsonl (prompts.mtbench / prompts.humaneval)")
     return eval_prompts(AutoTokenizer.from_pretrained(Path(a.work) / "target"), recs, a.prompts)
 
 
@@ -300,7 +302,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/w")
     ap.add_argument("--inputs", default="/tmp/eng/inputs")
     ap.add_argument("--out", default="/tmp/out")
-    ap.add_argument("--prompts", type=int, default=32, help="MT-bench first turns served")
+    ap.add_argument("--prompts", type=int, default=32, help="eval prompts served (of --source)")
+    ap.add_argument("--source", default="mtbench", help="eval.jsonl source served: mtbench | humaneval")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--dtype", default=None, help="serving dtype; default float32 for vllm, bfloat16 for sglang "
                     "(sgl_kernel's rmsnorm has no float32 kernel: 'failed to dispatch data type Float', seen on the H200)")

@@ -36,6 +36,7 @@ class PromptsParams(_Strict):
     train: int = Field(128, ge=1)
     eval: int = Field(16, ge=0)
     mtbench: bool = True
+    humaneval: int = Field(0, ge=0, le=164, description="HumanEval problems added to eval (a second benchmark)")
     seed: int = 0
 
 

