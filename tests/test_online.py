@@ -187,3 +187,35 @@ def test_validate_offsets_stage_gates_a_tokens_store(stores, peaked_target, tmp_
                         str(stores["tokens"]), "v2.json", "o2.json", "r2.json", "c2.csv"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "validate.samples" in r.stderr and not (tmp_path / "v2.json").exists()
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+from eaglepipe.params import TrainParams
+from eaglepipe.train import train_drafter
+torch.set_num_threads(1)
+features, target, out, scratch, params = sys.argv[1:6]
+s = train_drafter(features, target, out, TrainParams(**json.loads(params)), scratch_dir=scratch)
+json.dump(s["losses"], open(f"{out}.rank{torch.distributed.get_rank()}.json", "w"))
+"""
+
+
+def test_two_gloo_ranks_online_equal_one_process_with_grad_accum_2(stores, peaked_target, tmp_path):
+    """Each rank runs its own copy of the target on its rows; the result is the single process's."""
+    import os
+    import socket
+
+    one = train_drafter(stores["tokens"], peaked_target, tmp_path / "one", _params(batch_tokens=96, grad_accum=2),
+                        scratch_dir=tmp_path / "s1")
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(tmp_path / "ddp.py"), str(stores["tokens"]), str(peaked_target), str(tmp_path / "two"),
+         str(tmp_path / "s2"), json.dumps(_params(batch_tokens=96).model_dump())],
+        check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}, timeout=300, cwd=tmp_path)
+    l0, l1 = (json.loads((tmp_path / f"two.rank{r}.json").read_text()) for r in (0, 1))
+    assert l0 == l1 and len(l0) == len(one["losses"]) > 0
+    torch.testing.assert_close(torch.tensor(l0), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
