@@ -8,6 +8,10 @@ Steps, per shard of ``shard_size`` conversations (the unit of resume):
      meaning by :func:`eaglepipe.convention.engine_ids`;
   4. quarantine every sample whose features hold NaN/inf (left out, recorded with the shard), then write the
      shard atomically and byte-reproducibly (:class:`eaglepipe.features.ShardWriter`).
+With ``extract.store: tokens`` (online training) step 3 runs only for the shards holding the first
+``gate_samples`` conversations (the whole shard is captured, so their features are bit-equal to a features
+store's), only those keep features, and each shard also stores the (regenerated) conversations; see
+eaglepipe/features.py.
 The engine starts only if some shard is missing, so a finished run restarted does no work.
 """
 
@@ -19,12 +23,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from . import convention
 from .engines import engine_version, get_engine
-from .features import FeatureSample, ShardWriter, non_finite, run_key
+from .features import FeatureSample, ShardWriter, non_finite, run_key, store_capture
 from .params import ExtractParams
 from .sources import code_hash
 from .target import TargetInfo
@@ -34,9 +37,6 @@ log = logging.getLogger(__name__)
 
 # The stage script whose import closure decides the shards' content (part of the resume key).
 EXTRACT_SCRIPT = Path(__file__).resolve().parents[1] / "stages" / "extract.py"
-
-STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class ExtractStats:
@@ -95,28 +95,35 @@ def quarantine(samples: list[FeatureSample]) -> tuple[list[FeatureSample], list[
     return kept, bad
 
 
-def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str) -> str:
+def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str,
+             gate_samples: int = 0) -> str:
     """Hash of everything that determines the shards (keys the resumable scratch folder), the code included."""
-    return run_key({
+    spec = {
         "code": code_hash(EXTRACT_SCRIPT),
         "target": info.content_hash, "layers": layers, "engine": engine, "prompts": prompts_hash,
         "extract": p.model_dump(exclude={"batch_size"}),
-    })
+    }
+    if p.store == "tokens":
+        spec["gate_samples"] = gate_samples
+    return run_key(spec)
 
 
 def extract(
     convs: list[dict], target_dir: Path, info: TargetInfo, layers: list[int], p: ExtractParams,
-    out_dir: Path, scratch: Path, prompts_hash: str,
+    out_dir: Path, scratch: Path, prompts_hash: str, gate_samples: int = 0,
 ) -> tuple[dict, ExtractStats]:
     """Run steps 1–4 over ``convs`` and write ``out_dir`` (shards + manifest.json).
 
+    gate_samples: with ``p.store == "tokens"``, how many leading conversations keep their features (what
+    validate_offsets reads: ``validate.samples``); ignored for a features store.
     The engine starts at the first missing shard and is closed when this returns or raises.
     Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
     """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    key = plan_key(info, layers, p, p.engine, prompts_hash)
+    gate_samples = gate_samples if p.store == "tokens" else 0
+    key = plan_key(info, layers, p, p.engine, prompts_hash, gate_samples)
     writer = ShardWriter(out_dir, scratch, key, p.shard_size)
     chunks = [convs[i : i + p.shard_size] for i in range(0, len(convs), p.shard_size)]
     resumed = sum(writer.done(i) for i in range(len(chunks)))
@@ -134,7 +141,10 @@ def extract(
                 engine = stack.enter_context(get_engine(p.engine, target_dir, dtype=p.engine_dtype,
                                                         batch_size=p.batch_size, info=info))
                 timing.version = engine.version
-            writer.write(i, *quarantine(_shard_samples(engine, tok, chunk, ids, p, timing)))
+            gate = min(len(chunk), max(0, gate_samples - i * p.shard_size)) if p.store == "tokens" else len(chunk)
+            samples, messages = _shard_samples(engine, tok, chunk, ids, p, timing, gate)
+            kept, bad = quarantine(samples)
+            writer.write(i, kept, bad, messages=None if messages is None else [messages[s.id] for s in kept])
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{timing.tokens / max(timing.capture, 1e-9):.0f}")
     bar.close()
@@ -144,7 +154,10 @@ def extract(
         "target": {"hash": info.content_hash, "n_layers": info.n_layers, "hidden_size": info.hidden_size,
                    "vocab_size": info.vocab_size, "model_type": info.model_type, "family": info.family},
         "capture_ids": ids, "regenerate": p.model_dump() if p.regenerate else None, "prompts_hash": prompts_hash,
+        "store": p.store,
     }
+    if p.store == "tokens":  # what train_drafter's online capture needs to compute what this would have stored
+        header.update(gate_samples=gate_samples, engine_dtype=p.engine_dtype)
     manifest = writer.finish(header, len(chunks))
     return manifest, _stats(manifest, out_dir, timing, resumed)
 
@@ -160,22 +173,27 @@ class _Timing:
     version: str | None = None
 
 
-def _shard_samples(engine, tok, chunk: list[dict], ids: list[int], p: ExtractParams, timing: _Timing):
-    """Steps 1–3 for one shard's conversations: their FeatureSamples in the store dtype (before quarantine)."""
+def _shard_samples(engine, tok, chunk: list[dict], ids: list[int], p: ExtractParams, timing: _Timing, gate: int):
+    """Steps 1–3 for one shard's conversations: (their FeatureSamples in the store dtype, before quarantine;
+    id → messages for a tokens store, else None). Only the first ``gate`` samples keep features (all of them in
+    a features store); the shard is captured whole when any does, none of it when none does."""
     if p.regenerate:
         t0 = time.perf_counter()
         chunk = regenerate(engine, tok, chunk, p)
         timing.generate += time.perf_counter() - t0
     toks = [tokenize_conversation(tok, conv["messages"], p.max_length) for conv in chunk]
-    t0 = time.perf_counter()
-    caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) float32
-    timing.capture += time.perf_counter() - t0
-    timing.tokens += sum(len(t.input_ids) for t in toks)
-    store = STORE_DTYPES[p.dtype]
-    return [
-        FeatureSample(conv["id"], t.input_ids, t.loss_mask, h[:, :-1].to(store), h[:, -1].to(store))
-        for conv, t, h in zip(chunk, toks, caps)
-    ]
+    caps = [None] * len(chunk)
+    if gate:
+        t0 = time.perf_counter()
+        caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) float32
+        timing.capture += time.perf_counter() - t0
+        timing.tokens += sum(len(t.input_ids) for t in toks)
+    samples = []
+    for j, (conv, t, h) in enumerate(zip(chunk, toks, caps)):
+        aux, last = store_capture(h, p.dtype) if j < gate else (None, None)
+        samples.append(FeatureSample(conv["id"], t.input_ids, t.loss_mask, aux, last))
+    messages = {conv["id"]: conv["messages"] for conv in chunk} if p.store == "tokens" else None
+    return samples, messages
 
 
 def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int) -> ExtractStats:

@@ -24,6 +24,16 @@ process-dependent order: safetensors' own ``save_file`` writes ``__metadata__`` 
 differs between processes), and the manifest is plain sorted-insertion JSON, so two extracts of the same
 inputs give byte-identical files and DVC reruns nothing downstream.
 
+Two stores (``manifest["store"]``, from ``extract.store``): ``features`` (above, every sample) and ``tokens``,
+for online training: shards hold ``input_ids``, ``loss_mask`` and ``offsets`` of every sample, and ``aux`` /
+``last`` only for the first samples of the dataset (the *gate samples*, ``validate.samples`` of them, which
+validate_offsets compares against the serving engine): in each shard they are a prefix of its samples, so their
+token ranges index ``aux`` / ``last`` exactly as in a features shard. A tokens shard's metadata adds
+``messages`` (the regenerated conversations, JSON, so regeneration is never redone) and ``features`` (how many
+leading samples carry features); the manifest's sample rows add ``features`` (bool) and its header
+``gate_samples`` and ``engine_dtype`` (what the online capture needs to compute what extract would have stored).
+Reading the features of a sample that has none raises :class:`FeatureStoreError` saying the store is ``tokens``.
+
 Quarantine: a sample whose features hold NaN/inf never enters a shard; it is recorded (id, tensor, count of
 non-finite values) in the shard's ``quarantined`` metadata and in the manifest (``quarantined``,
 ``totals.quarantined``). A shard all of whose samples were quarantined is not listed.
@@ -59,6 +69,7 @@ from .errors import CaptureMismatch, FeatureStoreError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def token_hash(input_ids: list[int] | torch.Tensor) -> str:
@@ -89,6 +100,13 @@ class FeatureSample:
     loss_mask: torch.Tensor
     aux: torch.Tensor
     last: torch.Tensor
+
+
+def store_capture(h: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's capture of ``layers + [N]`` (T, L+1, H) float32 → (aux (T, L, H), last (T, H)) in the store
+    dtype: the one cast extract stores and online training (eaglepipe/online.py) trains on."""
+    store = STORE_DTYPES[dtype]
+    return h[:, :-1].to(store), h[:, -1].to(store)
 
 
 def _shard_name(i: int) -> str:
@@ -127,6 +145,8 @@ def non_finite(sample: "FeatureSample") -> dict | None:
     """None when ``aux`` and ``last`` are all finite; else ``{"id", "tensor", "non_finite"}`` (first bad tensor)."""
     for name in ("aux", "last"):
         t = getattr(sample, name)
+        if t is None:  # a tokens store's sample without stored features
+            continue
         if torch.isfinite(t.sum(dtype=torch.float32)):  # fast path (~20x cheaper than isfinite): any NaN/inf
             continue  # makes the sum non-finite; a finite sum means every element is finite
         bad = int((~torch.isfinite(t)).sum())  # exact count; 0 when only the sum overflowed
@@ -166,21 +186,29 @@ class ShardWriter:
         with safe_open(path, "pt") as f:
             return (f.metadata() or {}).get("run_key") == self.key
 
-    def write(self, i: int, samples: list[FeatureSample], quarantined: list[dict] | None = None) -> None:
+    def write(self, i: int, samples: list[FeatureSample], quarantined: list[dict] | None = None,
+              messages: list | None = None) -> None:
         """Concatenate ``samples`` on the token axis and write shard i atomically and byte-reproducibly.
 
         quarantined: rows ``{"id", "tensor", "non_finite"}`` of samples of this shard left out (see
         :func:`non_finite`); kept in the shard's metadata so a resumed run still counts them.
+        messages: a tokens store's shard (module docstring): each sample's conversation; samples whose ``aux``
+        is None carry no features and must follow those that do.
         """
         lengths = [len(s.input_ids) for s in samples]
         offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)  # (S + 1,)
+        with_features = [s for s in samples if s.aux is not None]
+        assert all(s.aux is not None for s in samples[: len(with_features)]), "samples with features come first"
         tensors = {"offsets": offsets}
         if samples:
             tensors.update({
                 "input_ids": torch.cat([s.input_ids.to(torch.int64) for s in samples]),  # (T,)
                 "loss_mask": torch.cat([s.loss_mask.to(torch.bool) for s in samples]),  # (T,)
-                "aux": torch.cat([s.aux for s in samples]),  # (T, L, H)
-                "last": torch.cat([s.last for s in samples]),  # (T, H)
+            })
+        if with_features:
+            tensors.update({
+                "aux": torch.cat([s.aux for s in with_features]),  # (T_f, L, H), T_f = tokens of with_features
+                "last": torch.cat([s.last for s in with_features]),  # (T_f, H)
             })
         meta = {
             "run_key": self.key,
@@ -189,6 +217,9 @@ class ShardWriter:
             "loss_tokens": json.dumps([int(s.loss_mask.sum()) for s in samples]),
             "quarantined": json.dumps(quarantined or [], sort_keys=True),
         }
+        if messages is not None:  # a tokens store's shard
+            meta["messages"] = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+            meta["features"] = str(len(with_features))
         save_shard(tensors, self.scratch / _shard_name(i), meta)
 
     def finish(self, header: dict, n_shards: int) -> dict:
@@ -206,9 +237,12 @@ class ShardWriter:
             ids, hashes = json.loads(meta["sample_ids"]), json.loads(meta["token_hashes"])
             loss = json.loads(meta["loss_tokens"])
             quarantined += [dict(q, shard=i) for q in json.loads(meta.get("quarantined", "[]"))]
+            n_features = int(meta["features"]) if "features" in meta else None  # tokens store only
             for j, sid in enumerate(ids):
                 n = int(offsets[j + 1] - offsets[j])
                 samples.append({"id": sid, "shard": name, "n_tokens": n, "n_loss": loss[j], "token_hash": hashes[j]})
+                if n_features is not None:
+                    samples[-1]["features"] = j < n_features
             if not ids:  # every sample of this shard was quarantined
                 os.remove(self.scratch / name)
                 continue
@@ -241,6 +275,7 @@ class SampleRef:
     stop: int
     n_loss: int
     token_hash: str
+    features: bool = True  # its aux / last are stored (always in a features store; gate samples in a tokens one)
 
     @property
     def n_tokens(self) -> int:
@@ -255,6 +290,7 @@ class FeatureSet:
         manifest: the parsed manifest.json.
         layers: list[int], the boundary indices of ``aux`` (ascending).
         n_layers: N of the target.
+        store: "features" | "tokens" (module docstring); a manifest from before the key is a features store.
         refs: list[SampleRef], every sample in manifest order.
 
     Every sample read is re-checked against the manifest's token hash (raises :class:`CaptureMismatch`);
@@ -270,6 +306,7 @@ class FeatureSet:
             raise FeatureStoreError(f"features {self.path}: cannot read {MANIFEST} ({e}); re-run extract") from e
         self.layers: list[int] = list(self.manifest["layers"])
         self.n_layers: int = int(self.manifest["target"]["n_layers"])
+        self.store: str = self.manifest.get("store", "features")
         self.max_open = max_open
         self._open: OrderedDict[str, object] = OrderedDict()
         self._bytes = {s["file"]: s.get("bytes") for s in self.manifest["shards"]}
@@ -279,7 +316,7 @@ class FeatureSet:
             start = pos.get(sample["shard"], 0)
             pos[sample["shard"]] = start + sample["n_tokens"]
             self.refs.append(SampleRef(sample["id"], sample["shard"], start, start + sample["n_tokens"],
-                                       sample["n_loss"], sample["token_hash"]))
+                                       sample["n_loss"], sample["token_hash"], sample.get("features", True)))
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -290,6 +327,12 @@ class FeatureSet:
         if self.layers != list(layers):
             raise CaptureMismatch(f"features {self.path} hold layers {self.layers} but params.yaml says "
                                   f"{list(layers)}; re-run extract")
+
+    def require_store(self, store: str, why: str) -> None:
+        """Refuse a use meant for the other store (FeatureStoreError naming both and ``why``)."""
+        if self.store != store:
+            raise FeatureStoreError(f"features {self.path} are a {self.store!r} store (extract.store: {self.store}) "
+                                    f"but {why} needs a {store!r} store; re-run extract with extract.store: {store}")
 
     def shard(self, name: str):
         """The open ``safe_open`` handle of shard ``name`` (at most ``max_open`` stay open, least recent closed)."""
@@ -332,18 +375,36 @@ class FeatureSet:
         return ids, self._slice(ref, "loss_mask")
 
     def read(self, ref: SampleRef) -> FeatureSample:
-        """One sample (aux (T, L, H), last (T, H) in the store dtype), token hash checked."""
+        """One sample (aux (T, L, H), last (T, H) in the store dtype), token hash checked. In a tokens store only
+        the gate samples have features (FeatureStoreError for the others)."""
+        if not ref.features:
+            raise FeatureStoreError(
+                f"sample {ref.id!r} in {self.path / ref.shard} has no stored features: {self.path} is a 'tokens' store "
+                f"(extract.store: tokens), holding features only for its {self.n_gate} gate samples; train_drafter "
+                "computes the others online (eaglepipe/online.py)")
         ids, mask = self.tokens(ref)
         return FeatureSample(ref.id, ids, mask, self._slice(ref, "aux"), self._slice(ref, "last"))
 
+    @property
+    def n_gate(self) -> int:
+        """Samples whose features are stored (all of them in a features store)."""
+        return sum(r.features for r in self.refs)
+
     def aux_shape(self) -> list[int]:
-        """[T, L, H] of the first shard's ``aux`` (header only)."""
-        return list(self.shard(self.refs[0].shard).get_slice("aux").get_shape()) if self.refs else []
+        """[T, L, H] of the first shard holding ``aux`` (header only); [] when none does."""
+        ref = next((r for r in self.refs if r.features), None)
+        return list(self.shard(ref.shard).get_slice("aux").get_shape()) if ref else []
 
     def __iter__(self):
         for ref in self.refs:
             yield self.read(ref)
 
     def take(self, n: int) -> list[FeatureSample]:
-        """The first ``n`` samples in manifest order."""
-        return [self.read(r) for r in self.refs[:n]]
+        """The first ``n`` samples in manifest order (in a tokens store: its gate samples, which are the first
+        ones; FeatureStoreError when ``n`` asks for more than it holds while more samples exist)."""
+        refs = self.refs[:n]
+        if not all(r.features for r in refs):
+            raise FeatureStoreError(
+                f"features {self.path}: a 'tokens' store with features for {self.n_gate} gate samples, but {n} were "
+                f"asked for (validate.samples); re-run extract (it stores validate.samples gate samples)")
+        return [self.read(r) for r in refs]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, ValidationInfo
 
 from .engine_table import NAMES as ENGINE_NAMES
 from .errors import ParamsError
@@ -53,6 +53,19 @@ class ExtractParams(_Strict):
     # CUDA: vllm/v1/attention/backends/mla/*.py ``supported_dtypes``) or to match a bf16 serving engine.
     engine_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     shard_size: int = Field(64, ge=1)
+    store: Literal["features", "tokens"] = Field(
+        "features", description="features: shards hold h[k] and h[N] per token (offline training); tokens: token "
+        "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "
+        "reads; train_drafter then computes the features online with the hf engine's capture on its device")
+
+    @field_validator("store")
+    @classmethod
+    def _online_capture_is_hf(cls, v: str, info: ValidationInfo) -> str:
+        engine = info.data.get("engine", "hf")
+        if v == "tokens" and engine != "hf":
+            raise ValueError(f"needs extract.engine: hf (got {engine!r}): train_drafter computes the features online "
+                             "with the hf engine's capture, so the gate samples must be captured by it too")
+        return v
 
 
 class ValidateParams(_Strict):

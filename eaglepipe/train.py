@@ -20,6 +20,12 @@ and collates ``PREFETCH`` batches ahead), so host memory is bounded by a few bat
 stays in memory for the whole run is the index (one :class:`SampleRef` per sample) and 1 byte per token
 (whether the target's top-1 is in the draft vocabulary).
 
+Online (a ``tokens`` store, ``extract.store: tokens``): the same rows, batches and loop, but the data thread
+reads token ids and masks only and :class:`eaglepipe.online.OnlineCapture` (the frozen target on the training
+device, extract's hf capture and cast) computes each row's aux states and h[N] before it is collated; what it
+costs in device memory is in eaglepipe/online.py's docstring. A features store is read, never recomputed: the
+store in the manifest decides, and :class:`BatchStream` refuses a capture that does not fit it.
+
 Bad data never becomes a draft: a sample with non-finite features stops training naming it and its shard;
 a non-finite loss or gradient norm stops before the optimizer step, naming the step's samples, with the
 checkpoint of the last good step left in place (:class:`TrainingError`).
@@ -56,6 +62,7 @@ from .atomic import atomic_path
 from .draft import DraftConfig, Eagle3Draft, n_params, save_draft
 from .errors import EaglepipeError, TrainingError
 from .features import FeatureSample, FeatureSet, SampleRef, non_finite, run_key
+from .online import OnlineCapture
 from .params import TrainParams
 from .target_config import read_target_config
 from .target_head import load_target_head, soft_targets
@@ -184,33 +191,49 @@ class BatchStream:
     Iterating yields ``(refs, Batch)`` per row, in order; the worker opens its own :class:`FeatureSet`
     (memory-mapped shards, at most 2 open), checks every sample's features are finite and collates on the
     CPU (pinned when ``pin``), so host memory holds ~``prefetch`` + 1 batches whatever the dataset size.
-    A worker error (TrainingError for a non-finite sample naming it and its shard, FeatureStoreError for a
-    damaged shard) is raised in the consuming thread. Leaving the loop early stops the worker.
+    ``capture`` (online, a tokens store): the worker reads token ids only and the row's features come from
+    ``capture`` (on its device); a tokens store without one, or a features store with one, raises
+    FeatureStoreError. A worker error (TrainingError for a non-finite sample naming it and its shard,
+    FeatureStoreError for a damaged shard or a store of the other kind) is raised in the consuming thread.
+    Leaving the loop early stops the worker.
     """
 
     def __init__(self, features_dir: Path, rows: list[list[SampleRef]], inv: dict | None = None,
-                 prefetch: int = PREFETCH, pin: bool = False):
+                 prefetch: int = PREFETCH, pin: bool = False, capture: OnlineCapture | None = None):
         self.features_dir, self.rows, self.inv, self.pin = Path(features_dir), rows, inv, pin
+        self.capture = capture
         self.q: queue.Queue = queue.Queue(maxsize=prefetch)
         self.stop = threading.Event()
+
+    def _samples(self, fs: FeatureSet, row: list[SampleRef]) -> list[FeatureSample]:
+        """The row's samples, read from the shards or (online) captured; TrainingError for non-finite ones."""
+        if self.capture is None:
+            samples = [fs.read(ref) for ref in row]
+            where = lambda ref: f"in {self.features_dir / ref.shard}"  # noqa: E731
+        else:
+            tokens = [fs.tokens(ref) for ref in row]
+            feats = self.capture([ids for ids, _ in tokens])
+            samples = [FeatureSample(r.id, ids, mask, aux, last) for r, (ids, mask), (aux, last) in zip(row, tokens, feats)]
+            where = lambda ref: f"(of {self.features_dir / ref.shard}) computed online"  # noqa: E731
+        for ref, s in zip(row, samples):
+            bad = non_finite(s)
+            if bad:
+                raise TrainingError(
+                    f"sample {ref.id!r} {where(ref)}: {bad['non_finite']} non-finite values in {bad['tensor']}; "
+                    "nothing was trained on it. Re-run extract (it quarantines such samples)")
+        return samples
 
     def _work(self) -> None:
         try:
             fs = FeatureSet(self.features_dir)
+            if self.capture is None:
+                fs.require_store("features", "reading features from shards (no online capture given)")
+            else:
+                fs.require_store("tokens", "an online capture (which would recompute stored features)")
             for row in self.rows:
-                samples = []
-                for ref in row:
-                    s = fs.read(ref)
-                    bad = non_finite(s)
-                    if bad:
-                        raise TrainingError(
-                            f"sample {ref.id!r} in {self.features_dir / ref.shard}: {bad['non_finite']} non-finite "
-                            f"values in {bad['tensor']}; nothing was trained on it. Re-run extract (it quarantines "
-                            "such samples)")
-                    samples.append(s)
-                b = collate(samples, self.inv)
-                if self.pin:
-                    b = Batch(**{k: None if v is None else v.pin_memory() for k, v in vars(b).items()})
+                b = collate(self._samples(fs, row), self.inv)
+                if self.pin:  # online features are already on the device: only host tensors are pinned
+                    b = Batch(**{k: v if v is None or v.is_cuda else v.pin_memory() for k, v in vars(b).items()})
                 if not self._put((row, b)):
                     return
             self._put(None)
@@ -240,12 +263,13 @@ class BatchStream:
 
 
 @torch.no_grad()
-def top1_in_vocab(head, features_dir: Path, refs: list[SampleRef], t2d: torch.Tensor) -> dict[str, torch.Tensor]:
+def top1_in_vocab(head, features_dir: Path, refs: list[SampleRef], t2d: torch.Tensor,
+                  capture: OnlineCapture | None = None) -> dict[str, torch.Tensor]:
     """sample id → (T,) bool: the target's full-vocabulary top-1 is in the draft vocabulary (one streamed pass,
-    reused every epoch; 1 byte a token). Raises like :class:`BatchStream`."""
+    reused every epoch; 1 byte a token; online, one target forward per sample). Raises like :class:`BatchStream`."""
     dev = head.lm_head.device
     out = {}
-    for (ref,), b in BatchStream(features_dir, [[r] for r in refs]):
+    for (ref,), b in BatchStream(features_dir, [[r] for r in refs], capture=capture):
         out[ref.id] = soft_targets(head, b.last.to(dev), t2d).top_in_vocab[0].cpu()
     return out
 
@@ -389,6 +413,7 @@ class Run:
     sched: object
     total_steps: int
     ckpt: Path  # <scratch>/<run key>/last.pt
+    capture: OnlineCapture | None = None  # online (a tokens store): the frozen target computing the features
 
     def autocast(self):
         """bf16 autocast on CUDA, none on CPU (module docstring: Precision)."""
@@ -406,15 +431,16 @@ class Run:
             return (module or self.model)(b, soft)
 
     def stream(self, rows: list[list[SampleRef]]) -> BatchStream:
-        return BatchStream(self.features_dir, rows, self.inv, pin=self.device.type == "cuda")
+        return BatchStream(self.features_dir, rows, self.inv, pin=self.device.type == "cuda", capture=self.capture)
 
 
 def _index(features_dir: Path, p: TrainParams, cfg_width: int) -> tuple[FeatureSet, list, list]:
     """Manifest index, split, and the checks that need no feature read. Raises EaglepipeError / TrainingError."""
     fs = FeatureSet(features_dir)
-    if fs.refs and fs.aux_shape()[-1] != cfg_width:
+    width = fs.aux_shape()[-1] if fs.store == "features" and fs.refs else fs.manifest["target"]["hidden_size"]
+    if fs.refs and width != cfg_width:
         raise EaglepipeError(
-            f"features {features_dir}: aux width {fs.aux_shape()[-1]} != target hidden_size {cfg_width}; "
+            f"features {features_dir}: aux width {width} != target hidden_size {cfg_width}; "
             "the features were captured from another target")
     if len(fs) < 2:
         raise EaglepipeError(f"features {features_dir}: {len(fs)} samples; need ≥ 2 (train + held-out)")
@@ -451,7 +477,8 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
         draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
     draft.to(device)
     head = head.to(device)
-    inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d)
+    capture = OnlineCapture(target_dir, fs.manifest, device) if fs.store == "tokens" else None
+    inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d, capture)
     head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied
     draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)
     unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay, fast=p.fast).to(device)
@@ -473,7 +500,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     key = run_key({"train": p.model_dump(), "features": fs.manifest.get("run_key"), "n": len(fs),
                    "target": target_cfg, "world": d.world})
     return Run(d, device, p, features_dir, fs, train, held, lengths, inv, head, cfg, vstats, draft, unroll, model,
-               opt, sched, total, Path(scratch_dir) / key / CKPT)
+               opt, sched, total, Path(scratch_dir) / key / CKPT, capture)
 
 
 def _steps_per_epoch(rows: list, d: Dist, p: TrainParams) -> int:
@@ -647,6 +674,7 @@ def summarize(run: Run, st: State, resumed_from: int) -> dict:
     return {
         "draft": run.cfg.to_dict(),
         "layers": run.fs.layers,
+        "store": run.fs.store,  # tokens: features computed online (the target ran in the loop)
         "vocab": run.vstats,
         "samples": {"train": len(run.train), "eval": len(run.held)},
         "train_tokens": st.tokens,

@@ -4,6 +4,8 @@ Usage: python stages/extract.py TARGET_DIR TRAIN_JSONL OUT_DIR METRICS_JSON
 Reads params `layers`, `extract`; writes OUT_DIR (shards + manifest.json, see eaglepipe/features.py) and
 METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch under data/.scratch/, keyed
 by params, target, prompts and the eaglepipe code, so shards written by other code are never resumed).
+With `extract.store: tokens` (online training) it stores token ids, loss masks and the regenerated text,
+and features only for the first `validate.samples` samples (the offset gate's), so it reads `validate.samples`.
 Reads `framework` only to refuse, before any compute, a layer list that engine cannot express (the shards do
 not depend on it, so it is not among extract's params in dvc.yaml).
 """
@@ -35,9 +37,9 @@ def main():
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
     scratch = out_dir.parent / ".scratch" / out_dir.name
     manifest, stats = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir, scratch,
-                              prompts_hash)
+                              prompts_hash, gate_samples=p.validate_.samples)
     write_metrics(metrics, {"engine": manifest["engine"], "engine_version": manifest["engine_version"],
-                            "layers": p.layers, "dtype": p.extract.dtype, **asdict(stats)})
+                            "layers": p.layers, "dtype": p.extract.dtype, "store": p.extract.store, **asdict(stats)})
 
 
 if __name__ == "__main__":

@@ -71,11 +71,13 @@ class HFEngine(Engine):
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
     @torch.inference_mode()
-    def capture(self, sequences: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
+    def capture(self, sequences: list[list[int]], ids: list[int], on_device: bool = False) -> list[torch.Tensor]:
         """h[k] for k in ``ids`` (boundary indices), per sequence float32 (T, len(ids), H).
 
         Sequences are batched right-padded; causal attention makes the real tokens' states independent of
         the padding. Runs the base model only (no lm_head). Raises ValueError for ids outside [0, N].
+        on_device: keep the results on the model's device (online training, eaglepipe/online.py), not the CPU;
+        they are inference tensors either way (copy or cat them before autograd saves them).
         """
         bad = [k for k in ids if not 0 <= k <= self.n_layers]
         if bad:
@@ -84,11 +86,11 @@ class HFEngine(Engine):
         out: list[torch.Tensor | None] = [None] * len(sequences)
         for b in range(0, len(order), self.batch_size):
             idx = order[b : b + self.batch_size]
-            for i, t in zip(idx, self._capture_batch([sequences[i] for i in idx], ids)):
+            for i, t in zip(idx, self._capture_batch([sequences[i] for i in idx], ids, on_device)):
                 out[i] = t
         return out
 
-    def _capture_batch(self, seqs: list[list[int]], ids: list[int]) -> list[torch.Tensor]:
+    def _capture_batch(self, seqs: list[list[int]], ids: list[int], on_device: bool = False) -> list[torch.Tensor]:
         T = max(len(s) for s in seqs)
         input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # (B, T)
         mask = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -97,7 +99,8 @@ class HFEngine(Engine):
             mask[i, : len(s)] = 1
         with boundary_hooks(self.layers, ids) as got:
             self.model.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
-        stacked = torch.stack([got[k] for k in ids], dim=2).cpu()  # (B, T, len(ids), H)
+        stacked = torch.stack([got[k] for k in ids], dim=2)  # (B, T, len(ids), H)
+        stacked = stacked if on_device else stacked.cpu()
         return [stacked[i, : len(s)].contiguous() for i, s in enumerate(seqs)]
 
     @torch.inference_mode()

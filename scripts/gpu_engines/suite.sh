@@ -9,8 +9,12 @@
 #                       beside this step's GPU work), collected by `extract`, which waits for it first
 #   suite.sh extract    item 3: extract through hf and vLLM (tokens/s); collects the reference decoder
 #   suite.sh validate   item 3: validate_offsets' check through vLLM and SGLang on the vLLM features
+#   suite.sh online     issue 11 item 4: training tokens/s online (target in the loop) vs offline, SmolLM2 shapes,
+#                       fp32 and bf16 target (benchmarks/online_train.py; the target from `setup`'s prep,
+#                       else made from the carried GGUF); writes $OUT/online_train.json (→ benchmarks/h200/)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
-#      CHECKS (1: run check.py for both engines in setup; 0: skip). Each step bounds its own time (timeout).
+#      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip).
+#      Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -46,5 +50,10 @@ case ${1:-} in
   validate)  # item 3, part 2: validate_offsets' check through vLLM and SGLang on the vLLM features
     (venv vllm; timeout 240 $B validate vllm > "$OUT/validate_vllm.log" 2>&1; grep RESULT "$OUT/validate_vllm.log" | cut -c1-400)
     (venv sglang; timeout 300 $B validate sglang > "$OUT/validate_sglang.log" 2>&1; grep RESULT "$OUT/validate_sglang.log" | cut -c1-400) ;;
-  *) sed -n 2,12p "$0"; exit 2 ;;
+  online)  # needs only torch/transformers/safetensors/pydantic (the vllm venv has them); no engine, no DVC
+    (venv vllm; timeout 560 python3 benchmarks/online_train.py --target /tmp/w/target \
+       --gguf /tmp/eng/inputs/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/online --out "$OUT/online_train.json" \
+       --samples ${NONLINE:-512} --min-len 256 --max-len 1024 --batch-tokens 16384 --fast \
+       --engine-dtype float32 bfloat16 > "$OUT/online_train.log" 2>&1; grep "tok/s\|RESULT\|Error" "$OUT/online_train.log" | cut -c1-600) ;;
+  *) sed -n 2,16p "$0"; exit 2 ;;
 esac

@@ -1,0 +1,163 @@
+"""Training tokens/s online (``extract.store: tokens``: the target computes the features inside the loop) against
+offline (features read from the shards), at SmolLM2 shapes (the bundled target: N 30, H 576), same rows.
+
+    python benchmarks/online_train.py                                   # CPU defaults (small), JSON to --out
+    python benchmarks/online_train.py --target /tmp/w/target --samples 1024 --batch-tokens 16384 --fast \\
+        --engine-dtype float32 bfloat16 --out $OUT/online_train.json   # the H200 (suite.sh online)
+
+No DVC: both stores are written here, with eaglepipe's own writer and capture (random token sequences of
+seeded lengths, loss on their second half), then :func:`eaglepipe.train.train_drafter` runs one epoch on each
+with the same params. ``tokens_per_s`` is train_drafter's own figure (token positions / seconds of the epoch
+loop: reading or computing features, forward, backward, optimizer; set-up and evaluation excluded);
+``wall_s`` is the whole call (online set-up includes one target forward per sample for the top-1 mask).
+``peak_gib``: torch.cuda.max_memory_allocated over the call on CUDA; ``peak_rss_mib`` the process's peak RSS
+(ru_maxrss, monotone, so only the first row is that row's own). ``online_vs_offline`` = online / offline
+tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eaglepipe.engines.hf import HFEngine  # noqa: E402
+from eaglepipe.features import FeatureSample, ShardWriter, store_capture  # noqa: E402
+from eaglepipe.params import TrainParams  # noqa: E402
+from eaglepipe.target import materialize_target, read_info  # noqa: E402
+from eaglepipe.train import train_drafter  # noqa: E402
+
+LAYERS = [2, 15, 27]  # params.yaml's default for SmolLM2 (N = 30)
+BUNDLED_GGUF = REPO / "bundled" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def sequences(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n (input_ids int64 (T,), loss_mask bool (T,)) with seeded lengths in [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (T,), generator=g)
+        out.append((ids, torch.arange(T) >= T // 2))
+    return out
+
+
+def write_stores(target: Path, work: Path, seqs, engine_dtype: str, store_dtype: str, shard_size: int) -> dict:
+    """Both stores of ``seqs`` under ``work``: features (captured here, like extract) and tokens; → store → dir."""
+    info = read_info(target, hash_weights=False)
+    ids = LAYERS + [info.n_layers]  # hf's meaning is the boundary index itself
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = HFEngine(target, dtype=engine_dtype, device=dev, batch_size=16, info=info)
+    header = {"engine": "hf", "engine_version": engine.version, "layers": LAYERS, "dtype": store_dtype,
+              "target": {"hash": "benchmark", "n_layers": info.n_layers, "hidden_size": info.hidden_size,
+                         "vocab_size": info.vocab_size, "model_type": info.model_type, "family": info.family},
+              "capture_ids": ids, "regenerate": None, "prompts_hash": "benchmark"}
+    out = {}
+    for store in ("features", "tokens"):
+        d = work / f"{store}-{engine_dtype}"
+        shutil.rmtree(d, ignore_errors=True)
+        w = ShardWriter(d / "features", d / "scratch", f"bench-{store}", shard_size)
+        chunks = [seqs[i : i + shard_size] for i in range(0, len(seqs), shard_size)]
+        for i, chunk in enumerate(chunks):
+            caps = engine.capture([t.tolist() for t, _ in chunk], ids) if store == "features" else [None] * len(chunk)
+            samples = [FeatureSample(f"s{i * shard_size + j}", t, m,
+                                     *(store_capture(h, store_dtype) if h is not None else (None, None)))
+                       for j, ((t, m), h) in enumerate(zip(chunk, caps))]
+            w.write(i, samples, messages=None if store == "features" else [[] for _ in samples])
+        extra = {"store": store}
+        if store == "tokens":
+            extra.update(gate_samples=0, engine_dtype=engine_dtype)
+        w.finish({**header, **extra}, len(chunks))
+        out[store] = d / "features"
+    engine.close()
+    del engine
+    return out
+
+
+def run(store_dir: Path, target: Path, p: TrainParams, scratch: Path) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    shutil.rmtree(scratch, ignore_errors=True)
+    t0 = time.perf_counter()
+    s = train_drafter(store_dir, target, scratch / "drafter", p, scratch_dir=scratch / "ckpt")
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": s["tokens_per_s"], "train_seconds": s["seconds"], "wall_s": round(wall, 2),
+            "steps": s["steps"], "train_tokens": s["train_tokens"], "final_train_loss": s["final_train_loss"],
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None,
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "store_bytes": sum(f.stat().st_size for f in store_dir.glob("shard-*"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="SmolLM2 HF folder (made from --gguf when missing); default "
+                    "$EAGLEPIPE_CACHE or .cache/smollm2-135m-instruct")
+    ap.add_argument("--gguf", default=str(BUNDLED_GGUF))
+    ap.add_argument("--work", default="/tmp/eaglepipe-online-bench")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "online_train_cpu.json"))
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--min-len", type=int, default=96)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument("--ttt", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--fast", action="store_true", help="train.fast (flex attention + torch.compile on CUDA)")
+    ap.add_argument("--engine-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--store-dtype", default="bfloat16")
+    ap.add_argument("--shard-size", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2, help="offline, online, offline, ...; the best of each counts")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    import os
+
+    target = Path(a.target or Path(os.environ.get("EAGLEPIPE_CACHE", REPO / ".cache")) / "smollm2-135m-instruct")
+    if not (target / "config.json").exists():
+        materialize_target(a.gguf, target, "float32")
+    info = read_info(target, hash_weights=False)
+    seqs = sequences(a.samples, a.min_len, a.max_len, info.vocab_size, seed=0)
+    p = TrainParams(draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, epochs=1, warmup_steps=2,
+                    batch_tokens=a.batch_tokens, eval_fraction=max(1.5 / a.samples, 0.02), checkpoint_every=10**6,
+                    fast=a.fast, teacher_precision="tf32" if a.fast else "fp32")
+    work = Path(a.work)
+    rows = []
+    for engine_dtype in a.engine_dtype:
+        stores = write_stores(target, work, seqs, engine_dtype, a.store_dtype, a.shard_size)
+        for rep in range(a.repeats):  # alternating, so warm-up and neighbours' load fall on both modes
+            for mode, store in (("offline", "features"), ("online", "tokens")):
+                r = run(stores[store], target, p, work / "train")
+                rows.append({"mode": mode, "engine_dtype": engine_dtype, "repeat": rep, **r})
+            print(f"{mode:8s} engine {engine_dtype:9s} {r['tokens_per_s']:>10.1f} tok/s  {r['steps']} steps  "
+                  f"wall {r['wall_s']} s  peak {r['peak_gib']} GiB  store {r['store_bytes'] / 2**20:.1f} MiB", flush=True)
+    ratio = {}
+    for engine_dtype in a.engine_dtype:
+        by = {mode: max(r["tokens_per_s"] for r in rows if (r["engine_dtype"], r["mode"]) == (engine_dtype, mode))
+              for mode in ("offline", "online")}
+        ratio[engine_dtype] = round(by["online"] / by["offline"], 3) if by["offline"] else None
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    res = {"device": dev, "torch": torch.__version__, "target": "SmolLM2-135M-Instruct (N 30, H 576)",
+           "layers": LAYERS, "store_dtype": a.store_dtype,
+           "setting": {"repeats": a.repeats, "samples": a.samples, "lengths": [a.min_len, a.max_len], "batch_tokens": a.batch_tokens,
+                       "ttt_steps": a.ttt, "draft_vocab_size": a.draft_vocab, "fast": a.fast, "epochs": 1},
+           "rows": rows, "online_vs_offline": ratio}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"RESULT online_train {json.dumps({'device': dev, 'online_vs_offline': ratio})}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

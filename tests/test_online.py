@@ -1,0 +1,221 @@
+"""Online training (``extract.store: tokens``) equals offline training on the same params and seed.
+
+Both stores are extracted from one tiny random target (4 layers, peaked: initializer_range 0.3) with
+regeneration on and a bf16 store; the tokens store keeps features for its GATE first samples only. The online
+loop's features (eaglepipe/online.py: extract's hf capture and cast) equal the stored ones up to one bf16
+rounding step on a few elements (a sample shares a forward with other samples than in extract), and training
+on them gives the offline loss curve to ~1e-6.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from eaglepipe.errors import FeatureStoreError, ParamsError
+from eaglepipe.extract import extract
+from eaglepipe.features import FeatureSet
+from eaglepipe.online import OnlineCapture
+from eaglepipe.params import ExtractParams, TrainParams, parse_params
+from eaglepipe.target import read_info
+from eaglepipe.train import BatchStream, epoch_rows, train_drafter
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [1, 2, 3]
+GATE = 3  # validate.samples: the tokens store keeps features for the first 3 samples (a prefix of shard 0)
+WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
+
+
+def conversations(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        q = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 4))
+        a = " ".join(WORDS[(2 * i + j) % len(WORDS)] for j in range(4 + i % 3))
+        out.append({"id": f"c{i}", "source": "test", "messages": [{"role": "user", "content": q},
+                                                                  {"role": "assistant", "content": a}]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def peaked_target(tmp_path_factory) -> Path:
+    """A random 4-layer Llama with the tiny chat tokenizer; peaked next-token distributions (initializer 0.3)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eaglepipe.tiny_targets import tiny_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    out = tmp_path_factory.mktemp("peaked_chat_target")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stores(peaked_target, tmp_path_factory) -> dict[str, Path]:
+    """store name → features folder, both extracted with the same params (12 conversations, shards of 4)."""
+    root = tmp_path_factory.mktemp("stores")
+    info = read_info(peaked_target)
+    out = {}
+    for store in ("features", "tokens"):
+        p = ExtractParams(engine="hf", regenerate=True, max_new_tokens=16, batch_size=3, shard_size=4,
+                          dtype="bfloat16", store=store)
+        extract(conversations(12), peaked_target, info, LAYERS, p, root / store / "features", root / store / "scratch",
+                "prompts-hash", gate_samples=GATE)
+        out[store] = root / store / "features"
+    return out
+
+
+def _params(**kw) -> TrainParams:
+    base = dict(draft_vocab_size=64, ttt_steps=3, step_decay=0.8, epochs=2, lr=3e-3, warmup_steps=2,
+                batch_tokens=160, grad_accum=1, grad_clip=1.0, eval_fraction=0.2, checkpoint_every=3, seed=0)
+    return TrainParams(**{**base, **kw})
+
+
+def test_tokens_store_holds_tokens_text_and_the_gate_samples_features(stores):
+    ff, ft = FeatureSet(stores["features"]), FeatureSet(stores["tokens"])
+    assert ff.store == "features" and ft.store == "tokens" and ft.manifest["gate_samples"] == GATE
+    assert [r.features for r in ft.refs] == [True] * GATE + [False] * (len(ft) - GATE)
+    assert [r.id for r in ft.refs] == [r.id for r in ff.refs] and ff.n_gate == len(ff)
+    for rt, rf in zip(ft.refs, ff.refs):  # the same token ids and loss masks, hash-checked
+        for a, b in zip(ft.tokens(rt), ff.tokens(rf)):
+            assert torch.equal(a, b)
+    for a, b in zip(ft.take(GATE), ff.take(GATE)):  # gate features bit-equal: the whole shard was captured
+        assert torch.equal(a.aux, b.aux) and torch.equal(a.last, b.last)
+    shards = sorted(stores["tokens"].glob("shard-*.safetensors"))
+    with safe_open(shards[0], "pt") as f:
+        assert {"aux", "last", "input_ids", "loss_mask", "offsets"} == set(f.keys())
+        messages = json.loads(f.metadata()["messages"])
+        assert f.metadata()["features"] == str(GATE) and len(messages) == 4
+        assert messages[0][0]["content"] == conversations(1)[0]["messages"][0]["content"]  # user turn kept
+        assert messages[0][1]["role"] == "assistant"  # the regenerated answer
+    with safe_open(shards[1], "pt") as f:
+        assert "aux" not in f.keys() and "features" in f.metadata()
+    with safe_open(sorted(stores["features"].glob("shard-*.safetensors"))[0], "pt") as f:
+        assert "messages" not in f.metadata() and "features" not in f.metadata()  # a features shard as before
+    size = lambda d: sum(p.stat().st_size for p in d.glob("shard-*"))  # noqa: E731
+    assert size(stores["tokens"]) < 0.5 * size(stores["features"])
+
+
+def test_online_features_equal_the_stored_ones(stores, peaked_target):
+    """Over the rows of an epoch: every element equal, or one bf16 rounding step apart (≤ 2^-7 relative)."""
+    ff, ft = FeatureSet(stores["features"]), FeatureSet(stores["tokens"])
+    capture = OnlineCapture(peaked_target, ft.manifest, torch.device("cpu"))
+    rows = epoch_rows([r.n_tokens for r in ft.refs], seed=0, epoch=0, max_tokens=160)
+    equal = total = 0
+    for row in rows:
+        refs = [ft.refs[i] for i in row]
+        for ref, (aux, last) in zip(refs, capture([ft.tokens(r)[0] for r in refs])):
+            stored = ff.read(ff.refs[ft.refs.index(ref)])
+            for got, want in ((aux, stored.aux), (last, stored.last)):
+                assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+                torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+                equal, total = equal + int((got == want).sum()), total + want.numel()
+    assert equal >= 0.999 * total, f"{total - equal} of {total} elements differ"
+
+
+def test_online_training_gives_the_offline_curve(stores, peaked_target, tmp_path):
+    p = _params()
+    off = train_drafter(stores["features"], peaked_target, tmp_path / "off", p, scratch_dir=tmp_path / "s_off")
+    on = train_drafter(stores["tokens"], peaked_target, tmp_path / "on", p, scratch_dir=tmp_path / "s_on")
+    assert off["store"] == "features" and on["store"] == "tokens" and len(on["losses"]) == len(off["losses"]) > 4
+    torch.testing.assert_close(torch.tensor(on["losses"]), torch.tensor(off["losses"]), rtol=1e-5, atol=1e-6)
+    for e in off["evals"]:
+        assert on["evals"][e]["tau_sim"] == pytest.approx(off["evals"][e]["tau_sim"], abs=1e-3)
+    assert on["train_tokens"] == off["train_tokens"] and on["padding_fraction"] == off["padding_fraction"]
+
+
+def test_online_run_resumes_onto_the_same_curve(stores, peaked_target, tmp_path):
+    p = _params()
+    full = train_drafter(stores["tokens"], peaked_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa")
+    part = train_drafter(stores["tokens"], peaked_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb", stop_after=4)
+    assert part["stopped_at"] == 4 and len(list((tmp_path / "sb").glob("*/last.pt"))) == 1
+    resumed = train_drafter(stores["tokens"], peaked_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb")
+    assert resumed["resumed_from_step"] == 4
+    assert resumed["losses"] == full["losses"] and resumed["evals"] == full["evals"]
+
+
+def test_a_mismatched_use_of_a_store_is_refused(stores, peaked_target):
+    ft, ff = FeatureSet(stores["tokens"]), FeatureSet(stores["features"])
+    with pytest.raises(FeatureStoreError, match="has no stored features: .* is a 'tokens' store"):
+        ft.read(ft.refs[GATE])
+    with pytest.raises(FeatureStoreError, match=f"features for {GATE} gate samples, but {GATE + 1} were asked"):
+        ft.take(GATE + 1)
+    with pytest.raises(FeatureStoreError, match="'tokens' store .* needs a 'features' store"):
+        list(BatchStream(stores["tokens"], [ft.refs[:1]]))
+    capture = OnlineCapture(peaked_target, ft.manifest, torch.device("cpu"))
+    with pytest.raises(FeatureStoreError, match="'features' store .* an online capture .* needs a 'tokens' store"):
+        list(BatchStream(stores["features"], [ff.refs[:1]], capture=capture))
+    with pytest.raises(FeatureStoreError, match="online capture needs a 'tokens' store"):
+        OnlineCapture(peaked_target, ff.manifest, torch.device("cpu"))
+
+
+def test_tokens_store_needs_the_hf_engine():
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["extract"].update(store="tokens", engine="vllm")
+    with pytest.raises(ParamsError, match="'extract.store' = 'tokens': needs extract.engine: hf"):
+        parse_params(raw)
+    raw["extract"]["engine"] = "hf"
+    assert parse_params(raw).extract.store == "tokens"
+    assert parse_params(yaml.safe_load((REPO / "params.yaml").read_text())).extract.store == "features"
+
+
+def test_validate_offsets_stage_gates_a_tokens_store(stores, peaked_target, tmp_path):
+    """The stage, unchanged, reads the gate samples' stored features and passes (framework hf)."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params.update(layers=LAYERS, framework="hf")
+    params["validate"]["samples"] = GATE
+    params["extract"]["store"] = "tokens"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, str(REPO / "stages" / "validate_offsets.py"), str(peaked_target),
+                        str(stores["tokens"]), "validated.json", "offsets.json", "report.json", "cosine.csv"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "offsets.json").read_text())["verdict"] == "ok"
+    assert (tmp_path / "validated.json").exists()
+    params["validate"]["samples"] = GATE + 1  # more than extract stored: refused, naming validate.samples
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, str(REPO / "stages" / "validate_offsets.py"), str(peaked_target),
+                        str(stores["tokens"]), "v2.json", "o2.json", "r2.json", "c2.csv"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "validate.samples" in r.stderr and not (tmp_path / "v2.json").exists()
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+from eaglepipe.params import TrainParams
+from eaglepipe.train import train_drafter
+torch.set_num_threads(1)
+features, target, out, scratch, params = sys.argv[1:6]
+s = train_drafter(features, target, out, TrainParams(**json.loads(params)), scratch_dir=scratch)
+json.dump(s["losses"], open(f"{out}.rank{torch.distributed.get_rank()}.json", "w"))
+"""
+
+
+def test_two_gloo_ranks_online_equal_one_process_with_grad_accum_2(stores, peaked_target, tmp_path):
+    """Each rank runs its own copy of the target on its rows; the result is the single process's."""
+    import os
+    import socket
+
+    one = train_drafter(stores["tokens"], peaked_target, tmp_path / "one", _params(batch_tokens=96, grad_accum=2),
+                        scratch_dir=tmp_path / "s1")
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(tmp_path / "ddp.py"), str(stores["tokens"]), str(peaked_target), str(tmp_path / "two"),
+         str(tmp_path / "s2"), json.dumps(_params(batch_tokens=96).model_dump())],
+        check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}, timeout=300, cwd=tmp_path)
+    l0, l1 = (json.loads((tmp_path / f"two.rank{r}.json").read_text()) for r in (0, 1))
+    assert l0 == l1 and len(l0) == len(one["losses"]) > 0
+    torch.testing.assert_close(torch.tensor(l0), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
