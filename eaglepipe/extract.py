@@ -132,7 +132,8 @@ def extract(
                 continue
             if engine is None:
                 engine = stack.enter_context(get_engine(p.engine, target_dir, dtype=p.engine_dtype,
-                                                        batch_size=p.batch_size, info=info))
+                                                        batch_size=p.batch_size, info=info,
+                                                        quantization=p.quantization))
                 timing.version = engine.version
             writer.write(i, *quarantine(_shard_samples(engine, tok, chunk, ids, p, timing)))
             bar.update(len(chunk))
@@ -144,6 +145,7 @@ def extract(
         "target": {"hash": info.content_hash, "n_layers": info.n_layers, "hidden_size": info.hidden_size,
                    "vocab_size": info.vocab_size, "model_type": info.model_type, "family": info.family},
         "capture_ids": ids, "regenerate": p.model_dump() if p.regenerate else None, "prompts_hash": prompts_hash,
+        **({"quantization": p.quantization} if p.quantization else {}),  # the extracting engine's (ExtractParams)
     }
     manifest = writer.finish(header, len(chunks))
     return manifest, _stats(manifest, out_dir, timing, resumed)
