@@ -110,7 +110,14 @@ def _train(a, name: str, engine: str, quantization: str | None, engine_dtype: st
     return {"extracted_with": _label(engine, quantization, engine_dtype, manifest["engine_version"]),
             "features": str(w / "features"), "export": str(w / "export" / a.engine), "drafter": str(w / "drafter"),
             "extract_seconds": stats.seconds, "train_seconds": time.perf_counter() - t0 - stats.seconds,
-            "best_tau_sim": summary.get("best_tau_sim")}
+            "best_tau_sim": _tau_sim(w / "drafter"),
+            "train_summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}}
+
+
+def _tau_sim(drafter: Path) -> float | None:
+    """The kept epoch's simulated τ (train_drafter writes it into the draft's config.json)."""
+    cfg = drafter / "config.json"
+    return json.loads(cfg.read_text()).get("best_tau_sim") if cfg.exists() else None
 
 
 def _label(engine: str, quantization: str | None, dtype: str, version: str | None) -> str:
@@ -209,7 +216,7 @@ def rows(a) -> None:
                     "gap_rel_l2": None if layer["gap_rel_l2"] is None else round(layer["gap_rel_l2"], 6),
                     "best_offset": layer["best_offset"], "verdict": g["verdict"],
                     "acceptance_per_pos": s.get("acceptance_per_pos"), "outputs_equal": s.get("outputs_equal"),
-                    "best_tau_sim": made.get("best_tau_sim"),
+                    "best_tau_sim": made.get("best_tau_sim") or _tau_sim(Path(made["drafter"])),
                 })
     doc = {"produced_by": f"python benchmarks/numerics.py (steps base, serve-base, fix, rows) on {meta.get('device')}",
            **meta, "note": a.note, "rows": out}

@@ -100,7 +100,8 @@ class OffsetReport:
 
     @property
     def verdict(self) -> str:
-        """"ok", "offset" (some layer is best matched at another id) or "numerics" (right id, low cosine)."""
+        """"ok", "offset" (some layer is best matched at another id) or "numerics" (right id, but cosine below
+        min_cosine or relative L2 above max_rel_l2: "numerics gap, offset 0" in :meth:`message`)."""
         if any(r.best_offset != 0 for r in self.layers):
             return "offset"
         return "ok" if self.ok else "numerics"
@@ -155,7 +156,10 @@ class OffsetReport:
             line += (f" Against {self.reference or 'the unquantized engine'}: the stored features "
                      f"match it at cosine {r.ref_cosine:.6f} (relative L2 {r.ref_rel_l2:.3g}), and the "
                      f"{served} capture differs from it by cosine {r.gap_cosine:.6f} (relative L2 "
-                     f"{r.gap_rel_l2:.3g}): the gap is the {'quantization' if self.quantization else 'engine'}'s.")
+                     f"{r.gap_rel_l2:.3g}): " + (
+                         f"the gap is the {'quantization' if self.quantization else 'serving setting'}'s."
+                         if r.gap_rel_l2 >= 0.5 * r.rel_l2 else
+                         "most of the gap is there unquantized too (extract's engine/dtype against this one's)."))
         fix = ", ".join([f"extract.engine = {self.engine}"]
                         + ([f"extract.quantization = {self.quantization}"] if self.quantization else [])
                         + ([f"extract.engine_dtype = {self.engine_dtype}"] if self.engine_dtype else []))
