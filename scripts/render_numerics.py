@@ -52,7 +52,7 @@ def render(doc: dict, out: Path) -> None:
     x0, x1 = W // 2 + 140, W - PAD
     top_tau = max([t for _, t in taus if t] + [2.0])
     d.line([(x0, y0), (x1, y0)], fill="black"), d.line([(x0, y0), (x0, y1)], fill="black")
-    d.text((x0, y1 - 18), f"served τ (k = {doc.get('k', '?')}; 1 = nothing accepted)", fill="black")
+    d.text((x0, y1 - 18), f"served tau (k = {doc.get('k', '?')}; 1 = nothing accepted)", fill="black")
     bw = (x1 - x0) / max(len(taus), 1)
     for si, (s, tau) in enumerate(taus):
         left = x0 + si * bw + bw * 0.15
