@@ -1,8 +1,8 @@
 """Issue 16: a draft trained on features of the unquantized target, served on a quantized one — the numerics gap
 at the gate, the τ it costs, and the fix (extract with the quantized serving engine, retrain).
 
-Steps (each writes one JSON into ``--out``; ``all`` runs them in order; on the lent H200 suite.sh runs
-``base serve-base`` in one device call and ``fix`` in the next, see scripts/gpu_engines/suite.sh):
+Steps (each writes one JSON into ``--out``; ``all`` runs them in order; on the lent H200
+``scripts/gpu_engines/suite.sh numerics base|serve|fix|serve-fix`` runs one per device call):
 
     base    features of the target by ``--extract-engine`` (default hf, fp32 compute, bf16 storage as the
             pipeline's default) → train a draft → export; then validate_offsets' check (eaglepipe.validate)
@@ -11,7 +11,8 @@ Steps (each writes one JSON into ``--out``; ``all`` runs them in order; on the l
     serve-base  that draft served (EAGLE-3, k = 3) on the unquantized and the quantized target, same
             prompts: τ from the engine's own counters (vLLM get_metrics())
     fix     features extracted by the quantized serving engine itself (extract.engine/quantization) →
-            train (same params) → export → the gate and τ again, quantized
+            train (same params) → export → the gate again, quantized
+    serve-fix   that draft served on the quantized target: τ
     rows    the step files → ``--json`` rows {"serving", "quantization", "extracted_with", "layer", "cosine",
             "rel_l2", "tau", ...} (benchmarks/h200/numerics.json on the GPU; benchmarks/numerics_cpu.json here)
 
@@ -176,11 +177,16 @@ def serve_base(a) -> None:
 
 
 def fix(a) -> None:
-    """The fix: extract with the (quantized) serving engine itself, retrain, gate and serve quantized."""
+    """The fix: extract with the (quantized) serving engine itself, retrain, and the gate quantized."""
     made = _train(a, "fix", a.engine, _q(a), a.dtype)
     gate = _gate(a, made["features"], [_q(a)])
-    served = [_serve(a, made["export"], _q(a))]
-    _write(Path(a.out), "numerics_fix.json", {**made, "gate": gate, "served": served, **_common(a)})
+    _write(Path(a.out), "numerics_fix.json", {**made, "gate": gate, **_common(a)})
+
+
+def serve_fix(a) -> None:
+    made = json.loads((Path(a.out) / "numerics_fix.json").read_text())
+    _write(Path(a.out), "numerics_serve_fix.json", {"extracted_with": made["extracted_with"],
+                                                   "served": [_serve(a, made["export"], _q(a))], **_common(a)})
 
 
 def _common(a) -> dict:
@@ -196,13 +202,14 @@ def rows(a) -> None:
     src = Path(a.out)
     load = lambda n: json.loads((src / n).read_text()) if (src / n).exists() else None  # noqa: E731
     out, meta = [], {}
-    for step, served_from in (("numerics_base.json", "numerics_serve_base.json"), ("numerics_fix.json", None)):
+    for step, served_from in (("numerics_base.json", "numerics_serve_base.json"),
+                              ("numerics_fix.json", "numerics_serve_fix.json")):
         made = load(step)
         if made is None:
             continue
         meta = meta or {k: made[k] for k in ("device", "torch", "engine", "dtype", "target", "conversations",
                                              "epochs", "k", "min_cosine", "max_rel_l2")}
-        served = (load(served_from) or {}).get("served", []) if served_from else made.get("served", [])
+        served = (load(served_from) or {}).get("served", [])
         tau = {s["quantization"]: s for s in served}
         for g in made["gate"]:
             s = tau.get(g["quantization"], {})
@@ -218,7 +225,7 @@ def rows(a) -> None:
                     "acceptance_per_pos": s.get("acceptance_per_pos"), "outputs_equal": s.get("outputs_equal"),
                     "best_tau_sim": made.get("best_tau_sim") or _tau_sim(Path(made["drafter"])),
                 })
-    doc = {"produced_by": f"python benchmarks/numerics.py (steps base, serve-base, fix, rows) on {meta.get('device')}",
+    doc = {"produced_by": f"python benchmarks/numerics.py (base, serve-base, fix, serve-fix, rows) on {meta.get('device')}",
            **meta, "note": a.note, "rows": out}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -246,7 +253,7 @@ def _plot_tables(path: Path, out: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["base", "serve-base", "fix", "rows", "all"])
+    ap.add_argument("step", choices=["base", "serve-base", "fix", "serve-fix", "rows", "all"])
     ap.add_argument("--engine", default="vllm", choices=["vllm", "sglang"], help="the serving engine")
     ap.add_argument("--quantization", default="fp8", help="the serving engine's method, or 'none'")
     ap.add_argument("--dtype", default="bfloat16", help="the serving engine's compute dtype in every setting")
@@ -271,8 +278,8 @@ def main() -> None:
     if a.engine == "sglang" and a.dtype != "bfloat16":
         ap.error("sglang runs bf16 here (sgl_kernel's rmsnorm has no float32 kernel on the H200)")
     _gpu_env()
-    steps = {"base": base, "serve-base": serve_base, "fix": fix, "rows": rows}
-    for name in (["base", "serve-base", "fix", "rows"] if a.step == "all" else [a.step]):
+    steps = {"base": base, "serve-base": serve_base, "fix": fix, "serve-fix": serve_fix, "rows": rows}
+    for name in (["base", "serve-base", "fix", "serve-fix", "rows"] if a.step == "all" else [a.step]):
         steps[name](a)
 
 

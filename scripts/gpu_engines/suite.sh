@@ -9,13 +9,13 @@
 #                       beside this step's GPU work), collected by `extract`, which waits for it first
 #   suite.sh extract    item 3: extract through hf and vLLM (tokens/s); collects the reference decoder
 #   suite.sh validate   item 3: validate_offsets' check through vLLM and SGLang on the vLLM features
-#   suite.sh numerics base|serve|fix    issue 16 (benchmarks/numerics.py), one part per device call, after
-#                       setup: base = hf fp32 features → draft, the gate through vLLM bf16 unquantized and fp8;
-#                       serve = that draft served both ways (τ); fix = features extracted by vLLM fp8, retrained,
-#                       gate + τ again. HERE: `python benchmarks/numerics.py rows --out DIR` (DIR = the
-#                       parts' files together) writes benchmarks/h200/numerics.json. NUMQ (default fp8) picks the
-#                       quantization; NUMENGINE=sglang runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no
-#                       fp32 kernel)
+#   suite.sh numerics base|serve|fix|serve-fix   issue 16 (benchmarks/numerics.py), one part per device call,
+#                       after setup: base = hf fp32 features → draft, the gate through vLLM bf16 unquantized and
+#                       fp8; serve = that draft served both ways (τ); fix = features extracted by vLLM fp8,
+#                       retrained, the gate again; serve-fix = τ of that draft on fp8. HERE: `python
+#                       benchmarks/numerics.py rows --out DIR` (DIR = the parts' files together) writes
+#                       benchmarks/h200/numerics.json. NUMQ (default fp8) picks the quantization; NUMENGINE=sglang
+#                       runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no fp32 kernel)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      CHECKS (1: run check.py for both engines in setup; 0: skip). Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
@@ -53,15 +53,17 @@ case ${1:-} in
   validate)  # item 3, part 2: validate_offsets' check through vLLM and SGLang on the vLLM features
     (venv vllm; timeout 240 $B validate vllm > "$OUT/validate_vllm.log" 2>&1; grep RESULT "$OUT/validate_vllm.log" | cut -c1-400)
     (venv sglang; timeout 300 $B validate sglang > "$OUT/validate_sglang.log" 2>&1; grep RESULT "$OUT/validate_sglang.log" | cut -c1-400) ;;
-  numerics)  # issue 16; $2 = base | serve | fix (each bounded, so what ran comes back)
+  numerics)  # issue 16; $2 = base | serve | fix | serve-fix (each bounded, so what ran comes back)
     E=${NUMENGINE:-vllm}; part=${2:-}; [ "$part" = serve ] && part=serve-base
-    case $part in base|serve-base|fix) ;; *) echo "numerics needs base, serve or fix"; exit 2 ;; esac
+    case $part in base|serve-base|fix|serve-fix) ;; *) echo "numerics needs base, serve, fix or serve-fix"; exit 2 ;; esac
     NUM="python3 benchmarks/numerics.py $part --engine $E --quantization ${NUMQ:-fp8} --dtype bfloat16 --out $OUT
          --target /tmp/w/target --prompts /tmp/eng/inputs/prompts --work /tmp/w/numerics-$E --n $NCONV
          --eval-prompts $P --max-new $NEW"
+    mkdir -p /tmp/w/numerics-$E  # a step's JSON stays here too: the serve parts read their step's in a later call
     [ "$part" = serve-base ] && cp /tmp/w/numerics-$E/numerics_base.json "$OUT/" 2>/dev/null
+    [ "$part" = serve-fix ] && cp /tmp/w/numerics-$E/numerics_fix.json "$OUT/" 2>/dev/null
     (venv "$E"; timeout 560 $NUM > "$OUT/numerics_${part}_$E.log" 2>&1; status=$?
-     [ "$part" = base ] && cp "$OUT/numerics_base.json" /tmp/w/numerics-$E/ 2>/dev/null
+     cp "$OUT"/numerics_base.json "$OUT"/numerics_fix.json /tmp/w/numerics-$E/ 2>/dev/null
      grep "RESULT\|Error" "$OUT/numerics_${part}_$E.log" | cut -c1-600; exit $status) ;;
   *) sed -n 2,21p "$0"; exit 2 ;;
 esac
