@@ -139,7 +139,8 @@ def extract(
                 continue
             if engine is None:
                 engine = stack.enter_context(get_engine(p.engine, target_dir, dtype=p.engine_dtype,
-                                                        batch_size=p.batch_size, info=info))
+                                                        batch_size=p.batch_size, info=info,
+                                                        quantization=p.quantization))
                 timing.version = engine.version
             gate = min(len(chunk), max(0, gate_samples - i * p.shard_size)) if p.store == "tokens" else len(chunk)
             samples, messages = _shard_samples(engine, tok, chunk, ids, p, timing, gate)
@@ -155,6 +156,7 @@ def extract(
                    "vocab_size": info.vocab_size, "model_type": info.model_type, "family": info.family},
         "capture_ids": ids, "regenerate": p.model_dump() if p.regenerate else None, "prompts_hash": prompts_hash,
         "store": p.store,
+        **({"quantization": p.quantization} if p.quantization else {}),  # the extracting engine's (ExtractParams)
     }
     if p.store == "tokens":  # what train_drafter's online capture needs to compute what this would have stored
         header.update(gate_samples=gate_samples, engine_dtype=p.engine_dtype)

@@ -57,6 +57,9 @@ class ExtractParams(_Strict):
         "features", description="features: shards hold h[k] and h[N] per token (offline training); tokens: token "
         "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "
         "reads; train_drafter then computes the features online with the hf engine's capture on its device")
+    quantization: str | None = Field(None, description="the engine's own quantization method (e.g. 'fp8' on "
+                                     "vllm/sglang; eaglepipe/quantization.py): extract with the quantized "
+                                     "serving engine itself, so the features carry its numerics")
 
     @field_validator("store")
     @classmethod
@@ -72,6 +75,14 @@ class ValidateParams(_Strict):
     samples: int = Field(4, ge=1)
     search: int = Field(2, ge=0, le=8)
     min_cosine: float = Field(0.999, gt=0.0, le=1.0)
+    max_rel_l2: float = Field(0.05, gt=0.0, description="above this relative L2 at offset 0 the gate fails "
+                              "(a numerics gap, like a cosine below min_cosine)")
+    quantization: str | None = Field(None, description="validate against the serving engine quantized this way "
+                                     "(e.g. 'fp8'; eaglepipe/quantization.py)")
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the serving engine computes in (vLLM's fp8 needs bfloat16 or float16)")
+    reference: bool = Field(True, description="with quantization: also capture through the unquantized engine, "
+                            "so the gap is reported against the engine's own unquantized numerics")
 
 
 class TrainParams(_Strict):
@@ -105,6 +116,10 @@ class ServeParams(_Strict):
     prompts: int = Field(16, ge=1)
     min_tau: float = Field(1.05, ge=1.0, description="serve_eval fails when an engine's τ is below this")
     max_sim_gap: float = Field(0.5, ge=0.0, description="flag a served τ this far below τ_sim or the reference")
+    quantization: str | None = Field(None, description="serve the target quantized this way (e.g. 'fp8'; "
+                                     "eaglepipe/quantization.py); the draft is not quantized")
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the serving engine computes in (vLLM's fp8 needs bfloat16 or float16)")
 
 
 class Params(_Strict):
@@ -144,9 +159,23 @@ def _format(err: ValidationError) -> str:
 def parse_params(raw: dict) -> Params:
     """Validate a params dict. Raises ParamsError with one line per problem."""
     try:
-        return Params.model_validate(raw or {})
+        params = Params.model_validate(raw or {})
     except ValidationError as e:
         raise ParamsError(_format(e)) from None
+    check_quantization(params)
+    return params
+
+
+def check_quantization(p: Params) -> None:
+    """Refuse a quantization the chosen engine (and its installed version) does not offer. Raises ParamsError.
+
+    Every stage checks it at start (check_params first): the engine names are params, the version is installed.
+    """
+    from . import quantization
+
+    quantization.check("extract.quantization", p.extract.engine, p.extract.quantization, p.extract.engine_dtype)
+    quantization.check("validate.quantization", p.framework, p.validate_.quantization, p.validate_.engine_dtype)
+    quantization.check("serve.quantization", p.framework, p.serve.quantization, p.serve.engine_dtype)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

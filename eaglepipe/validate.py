@@ -12,6 +12,13 @@ the stored h[k] matches best at d ≠ 0, the engine's real mapping differs from 
 Comparison per (stored layer, d): mean over tokens of the cosine between stored and captured vectors, and
 relative L2 ``‖captured − stored‖ / ‖stored‖`` over all tokens. Adjacent boundaries of a residual stream are
 similar (cosine often 0.9+), so a clean match means cosine ≥ ``min_cosine`` (default 0.999) at d = 0.
+
+Offset or numerics: when the best match is at d = 0 but cosine < ``min_cosine`` (or relative L2 >
+``max_rel_l2``), no neighbouring id explains it: the serving engine computes that layer differently from
+extract's engine (a quantized target, other kernels or dtype), a "numerics gap, offset 0". With a
+:class:`ReferenceCapture` by the same engine unquantized (validate.quantization + validate.reference), each
+layer also gets the stored features against that capture and the quantized capture against it: the gap's
+size against the engine's own unquantized numerics.
 """
 
 from __future__ import annotations
@@ -39,6 +46,21 @@ class LayerReport:
     best_offset: int  # the engine feeds h[boundary + best_offset] for engine_id
     best_cosine: float
     cosines: dict[int, float] = field(default_factory=dict)  # d → cosine (d = id shift searched)
+    # with a ReferenceCapture (the same engine unquantized), at the exported id:
+    ref_cosine: float | None = None  # stored vs the unquantized capture
+    ref_rel_l2: float | None = None
+    gap_cosine: float | None = None  # the (quantized) capture vs the unquantized capture: the quantization's gap
+    gap_rel_l2: float | None = None
+
+
+@dataclass
+class ReferenceCapture:
+    """What the serving engine, unquantized, captures at the exported ids: the baseline of a numerics gap."""
+
+    engine: str
+    engine_version: str | None
+    dtype: str
+    caps: list[torch.Tensor]  # per sample float32 (T, L, H), the stored layers' exported ids in order
 
 
 @dataclass
@@ -50,10 +72,17 @@ class OffsetReport:
     tokens: int
     min_cosine: float
     layers: list[LayerReport]
+    max_rel_l2: float | None = None  # None: relative L2 is reported, not judged
+    quantization: str | None = None  # the serving engine's quantization method (None: unquantized)
+    engine_dtype: str | None = None
+    reference: str | None = None  # what the ref_* / gap_* figures compare against, e.g. "vllm 0.32.0 bfloat16"
+
+    def _close(self, r: LayerReport) -> bool:
+        return r.cosine >= self.min_cosine and (self.max_rel_l2 is None or r.rel_l2 <= self.max_rel_l2)
 
     @property
     def ok(self) -> bool:
-        return all(r.best_offset == 0 and r.cosine >= self.min_cosine for r in self.layers)
+        return all(r.best_offset == 0 and self._close(r) for r in self.layers)
 
     def table(self) -> list[dict]:
         """Rows for the heatmap: stored boundary × the boundary each searched id means under the translator."""
@@ -71,16 +100,24 @@ class OffsetReport:
 
     @property
     def verdict(self) -> str:
-        """"ok", "offset" (some layer is best matched at another id) or "numerics" (right id, low cosine)."""
+        """"ok", "offset" (some layer is best matched at another id) or "numerics" (right id, but cosine below
+        min_cosine or relative L2 above max_rel_l2: "numerics gap, offset 0" in :meth:`message`)."""
         if any(r.best_offset != 0 for r in self.layers):
             return "offset"
         return "ok" if self.ok else "numerics"
 
     def compact(self) -> dict:
         """The gate's figures for ``dvc exp show``: verdict, worst cosine at offset 0, best offset per layer."""
-        return {"engine": self.engine, "verdict": self.verdict,
-                "min_cosine_at_0": round(min(r.cosine for r in self.layers), 6),
-                "offset": {f"h{r.boundary}": r.best_offset for r in self.layers}}
+        out = {"engine": self.engine, "verdict": self.verdict,
+               "min_cosine_at_0": round(min(r.cosine for r in self.layers), 6),
+               "offset": {f"h{r.boundary}": r.best_offset for r in self.layers}}
+        out["max_rel_l2_at_0"] = round(max(r.rel_l2 for r in self.layers), 6)
+        if self.quantization is not None:
+            out["quantization"] = self.quantization
+        gaps = [r.gap_cosine for r in self.layers if r.gap_cosine is not None]
+        if gaps:
+            out["min_gap_cosine"] = round(min(gaps), 6)  # quantized vs unquantized capture, worst layer
+        return out
 
     def message(self) -> str:
         """An actionable explanation of every problem (empty when ok)."""
@@ -98,15 +135,36 @@ class OffsetReport:
                     f"(off by {r.best_offset:+d}). A draft exported this way would accept almost nothing: fix "
                     f"the rule for this engine/family/version in eaglepipe/convention.py."
                 )
-            elif r.cosine < self.min_cosine:
-                lines.append(
-                    f"stored h[{r.boundary}] is best matched at the right id {r.engine_id}, but only with cosine "
-                    f"{r.cosine:.4f} < {self.min_cosine} (relative L2 {r.rel_l2:.3g}): a numerics gap, not an "
-                    f"offset — the engine computes this layer differently (kernels, dtype, quantization path) "
-                    f"from extract's engine. Extract with the serving engine, or lower validate.min_cosine "
-                    f"knowingly."
-                )
+            elif not self._close(r):
+                lines.append(self._numerics_line(r, where))
         return "\n".join(lines)
+
+    def _numerics_line(self, r: LayerReport, where: str) -> str:
+        """One layer best matched at d = 0 but not closely: the numerics gap, its size, and the fix."""
+        served = f"{self.engine} ({', '.join(x for x in (self.quantization, self.engine_dtype) if x)})"
+        why = []
+        if r.cosine < self.min_cosine:
+            why.append(f"cosine {r.cosine:.6f} < validate.min_cosine {self.min_cosine}")
+        if self.max_rel_l2 is not None and r.rel_l2 > self.max_rel_l2:
+            why.append(f"relative L2 {r.rel_l2:.3g} > validate.max_rel_l2 {self.max_rel_l2}")
+        line = (f"stored h[{r.boundary}]: numerics gap, offset 0 — the {served} capture at the exported id "
+                f"{r.engine_id} is the best match of ids ±{max(map(abs, r.cosines))} but only with cosine "
+                f"{r.cosine:.6f}, relative L2 {r.rel_l2:.3g} ({'; '.join(why)}): a numerics gap, not an offset "
+                f"— {where} computes this layer differently (kernels, dtype, quantization path) from extract's "
+                f"engine.")
+        if r.gap_cosine is not None:
+            line += (f" Against {self.reference or 'the unquantized engine'}: the stored features "
+                     f"match it at cosine {r.ref_cosine:.6f} (relative L2 {r.ref_rel_l2:.3g}), and the "
+                     f"{served} capture differs from it by cosine {r.gap_cosine:.6f} (relative L2 "
+                     f"{r.gap_rel_l2:.3g}): " + (
+                         f"the gap is the {'quantization' if self.quantization else 'serving setting'}'s."
+                         if r.gap_rel_l2 >= 0.5 * r.rel_l2 else
+                         "most of the gap is there unquantized too (extract's engine/dtype against this one's)."))
+        fix = ", ".join([f"extract.engine = {self.engine}"]
+                        + ([f"extract.quantization = {self.quantization}"] if self.quantization else [])
+                        + ([f"extract.engine_dtype = {self.engine_dtype}"] if self.engine_dtype else []))
+        return line + (f" Fix: extract with the serving engine itself ({fix}) and retrain, or loosen "
+                       f"validate.min_cosine / validate.max_rel_l2 knowingly.")
 
 
 def _cos_rel(stored: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
@@ -118,7 +176,7 @@ def _cos_rel(stored: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
 
 def check_offsets(
     engine, family: str, n_layers: int, layers: list[int], samples: list[FeatureSample],
-    search: int, min_cosine: float,
+    search: int, min_cosine: float, max_rel_l2: float | None = None, reference: ReferenceCapture | None = None,
 ) -> OffsetReport:
     """Capture ``samples`` through ``engine`` with the exported ids (± search) and compare to the stored aux.
 
@@ -127,6 +185,9 @@ def check_offsets(
         family: the target's model family (``convention.family_of``).
         layers: the stored boundaries (the manifest's ``layers``).
         samples: stored samples; their ``aux`` is (T, L, H).
+        max_rel_l2: fail a layer above this relative L2 at d = 0 too (None: report only).
+        reference: the same samples captured by the unquantized engine (:func:`reference_capture`): each
+            layer then reports the stored features and the capture against it (``ref_*``, ``gap_*``).
     Raises:
         ConventionError: the layers cannot be expressed for this engine.
     """
@@ -157,11 +218,30 @@ def check_offsets(
                 cosines[d], rels[d] = _cos_rel(stored[:, j], got[:, col[e + d]])
         best_d = max(cosines, key=lambda d: (round(cosines[d], 6), -abs(d)))  # tie → the smaller shift
         reports.append(LayerReport(k, e, cosines[0], rels[0], -best_d, cosines[best_d], cosines))
-    rep = OffsetReport(engine.name, engine.version, family, len(samples), int(stored.shape[0]), min_cosine, reports)
+    ref_name = None
+    if reference is not None:
+        ref = torch.cat(reference.caps)  # (ΣT, L, H)
+        if ref.shape != stored.shape:
+            raise CaptureMismatch(f"reference capture {tuple(ref.shape)} does not match the stored {tuple(stored.shape)}")
+        for j, r in enumerate(reports):
+            r.ref_cosine, r.ref_rel_l2 = _cos_rel(stored[:, j], ref[:, j])
+            r.gap_cosine, r.gap_rel_l2 = _cos_rel(ref[:, j], got[:, col[r.engine_id]])
+        ref_name = f"{reference.engine} {reference.engine_version or '?'} {reference.dtype}, unquantized"
+    rep = OffsetReport(engine.name, engine.version, family, len(samples), int(stored.shape[0]), min_cosine, reports,
+                       max_rel_l2, getattr(engine, "quantization", None), getattr(engine, "dtype", None), ref_name)
     for r in reports:
         log.info("h[%d] id %d: cosine %.6f rel %.3g best offset %+d", r.boundary, r.engine_id, r.cosine, r.rel_l2,
                  r.best_offset)
     return rep
+
+
+def reference_capture(engine, family: str, n_layers: int, layers: list[int],
+                      samples: list[FeatureSample]) -> ReferenceCapture:
+    """``samples`` captured by ``engine`` (the serving engine, unquantized) at the ids the export writes."""
+    ids = convention.engine_ids(engine.name, family, layers, n_layers)
+    caps = engine.capture([s.input_ids.tolist() for s in samples], ids)  # per sample (T, L, H)
+    assert getattr(engine, "quantization", None) is None, "a reference capture is the unquantized engine's"
+    return ReferenceCapture(engine.name, engine.version, engine.dtype, caps)
 
 
 def require_ok(rep: OffsetReport) -> None:

@@ -29,7 +29,9 @@ def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, 
     if framework not in SERVING:
         return None
     try:
-        return serve_eagle3(framework, target_dir, export_dir / framework, ids, s.k, s.max_new_tokens)
+        opts = {"quantization": s.quantization} if s.quantization else {}  # the target's; the draft stays as is
+        return serve_eagle3(framework, target_dir, export_dir / framework, ids, s.k, s.max_new_tokens,
+                            dtype=s.engine_dtype, **opts)
     except ServingUnavailable as e:
         return {"skipped": str(e)}
 
@@ -45,7 +47,8 @@ def main():
     res = serve_engine(p.framework, target_dir, export_dir, [q["input_ids"] for q in prompts], s)
     if res is not None:
         res = {k: v for k, v in res.items() if not k.startswith("outputs_") or k == "outputs_equal"}
-        out[p.framework] = {"engine": p.framework, "engine_version": engine_version(p.framework), **res}
+        out[p.framework] = {"engine": p.framework, "engine_version": engine_version(p.framework),
+                            "quantization": s.quantization, "engine_dtype": s.engine_dtype, **res}
     tau_sim = json.loads((drafter_dir / "config.json").read_text()).get("best_tau_sim")
     engines = {name: out[name] for name in ("reference", p.framework) if name in out}
     failures, flags = acceptance_gate(engines, tau_sim, s.min_tau, s.max_sim_gap)

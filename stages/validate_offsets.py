@@ -2,9 +2,10 @@
 
 Usage: python stages/validate_offsets.py TARGET_DIR FEATURES_DIR OK_JSON METRICS_JSON REPORT_JSON COSINE_CSV
 Reads params `layers`, `framework`, `validate`. Captures `validate.samples` stored sequences through the
-`framework` engine with the ids the exporter writes (± `validate.search`), writes REPORT_JSON (every cosine),
-METRICS_JSON (verdict, worst cosine, offset per layer) and the cosine table COSINE_CSV (a heatmap in
-`dvc plots show`), and exits 1 with an actionable message on mismatch.
+`framework` engine (quantized as `validate.quantization` says; with `validate.reference` also unquantized, the
+baseline a numerics gap is measured against) with the ids the exporter writes (± `validate.search`), writes
+REPORT_JSON (every cosine), METRICS_JSON (verdict, worst cosine, offset per layer) and the cosine table
+COSINE_CSV (a heatmap in `dvc plots show`), and exits 1 with an actionable message on mismatch.
 OK_JSON (the gate token training depends on) is written only when the check passes.
 """
 
@@ -19,7 +20,7 @@ from eaglepipe.features import FeatureSet
 from eaglepipe.serving import require_servable
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target import read_info
-from eaglepipe.validate import check_offsets, require_ok
+from eaglepipe.validate import check_offsets, reference_capture, require_ok
 
 
 def main():
@@ -30,9 +31,13 @@ def main():
     info = read_info(target_dir, hash_weights=False)
     family = info.family
     require_servable(p.framework, family, info.n_layers, p.layers)  # exit 2, nearest lists named, before capture
-    with get_engine(p.framework, target_dir, dtype="float32", info=info) as engine:
-        rep = check_offsets(engine, family, fs.n_layers, fs.layers, fs.take(p.validate_.samples),
-                            p.validate_.search, p.validate_.min_cosine)
+    v, samples, ref = p.validate_, fs.take(p.validate_.samples), None
+    if v.quantization and v.reference:  # the same engine unquantized: the baseline the gap is measured against
+        with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info) as engine:
+            ref = reference_capture(engine, family, fs.n_layers, fs.layers, samples)
+    with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info, quantization=v.quantization) as engine:
+        rep = check_offsets(engine, family, fs.n_layers, fs.layers, samples, v.search, v.min_cosine,
+                            v.max_rel_l2, ref)
     write_metrics(report_json, rep.to_json())
     write_metrics(metrics, rep.compact())
     cosine_csv.parent.mkdir(parents=True, exist_ok=True)

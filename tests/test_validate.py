@@ -64,3 +64,57 @@ def test_numerics_gap_is_not_an_offset(engine, stored):
     rep = check_offsets(engine, "llama", 4, [2], noisy, search=2, min_cosine=0.99999)
     assert not rep.ok and rep.layers[0].best_offset == 0
     assert "a numerics gap, not an offset" in rep.message()
+
+
+# ---------------------------------------------------------------- offset vs numerics gap, on real numerics
+
+
+@pytest.fixture(scope="module")
+def stored_fp32(engine):
+    """Samples extracted by the hf engine in float32 and stored in float32 (extract.dtype float32)."""
+    caps = engine.capture(SEQS, [2, 4])
+    return [FeatureSample(f"s{i}", torch.tensor(s), torch.ones(len(s), dtype=torch.bool), c[:, :1], c[:, 1])
+            for i, (s, c) in enumerate(zip(SEQS, caps))]
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_target):
+    """The serving engine computing in bfloat16: its layers differ from the fp32 extraction by rounding only."""
+    return HFEngine(tiny_target, dtype="bfloat16")
+
+
+def test_real_numerics_gap_is_named_at_offset_0_with_its_size(engine, bf16_engine, stored_fp32):
+    """fp32 features against a bf16 engine: best match at the exported id, relative L2 measured above the
+    threshold (thresholds are params; the tiny model's bf16 gap is ~0.3 %, so they are tight here)."""
+    from eaglepipe.validate import reference_capture
+
+    ref = reference_capture(engine, "llama", 4, [2], stored_fp32)  # the same engine in fp32: the baseline
+    rep = check_offsets(bf16_engine, "llama", 4, [2], stored_fp32, search=2, min_cosine=0.999999, max_rel_l2=1e-3,
+                        reference=ref)
+    (r,) = rep.layers
+    assert not rep.ok and rep.verdict == "numerics" and r.best_offset == 0
+    assert 1e-3 < r.rel_l2 < 0.05 and 0.999 < r.cosine < 1.0  # measured, not planted: bf16 rounding of 3 layers
+    assert r.ref_cosine > 0.999999 and r.ref_rel_l2 < 1e-6  # stored = the fp32 engine's own capture
+    assert r.gap_rel_l2 == pytest.approx(r.rel_l2, rel=1e-3)  # so the whole gap is the bf16 engine's
+    msg = rep.message()
+    assert "stored h[2]: numerics gap, offset 0" in msg and "a numerics gap, not an offset" in msg
+    assert f"relative L2 {r.rel_l2:.3g} > validate.max_rel_l2 0.001" in msg and "off by" not in msg
+    assert "Against hf" in msg and "float32, unquantized" in msg and f"relative L2 {r.gap_rel_l2:.3g}" in msg
+    assert rep.engine_dtype == "bfloat16" and rep.compact()["max_rel_l2_at_0"] == round(r.rel_l2, 6)
+    with pytest.raises(CaptureMismatch, match="numerics gap, offset 0"):
+        require_ok(rep)
+    loose = check_offsets(bf16_engine, "llama", 4, [2], stored_fp32, search=2, min_cosine=0.999, max_rel_l2=0.05)
+    assert loose.ok  # the defaults accept a bf16 serving engine on fp32 features
+
+
+@pytest.mark.parametrize("planted", [-1, 1])
+def test_planted_offset_is_still_an_offset_through_a_numerics_gap(bf16_engine, stored_fp32, monkeypatch, planted):
+    real = convention.engine_ids
+    monkeypatch.setattr(convention, "engine_ids",
+                        lambda eng, fam, ks, n, version=None: [i + planted for i in real(eng, fam, ks, n, version)])
+    rep = check_offsets(bf16_engine, "llama", 4, [2], stored_fp32, search=2, min_cosine=0.999999, max_rel_l2=1e-3)
+    (r,) = rep.layers
+    assert rep.verdict == "offset" and r.best_offset == planted
+    msg = rep.message()
+    assert f"given id {2 + planted} the engine feeds h[{2 + planted}]" in msg and f"off by {planted:+d}" in msg
+    assert "numerics gap" not in msg

@@ -35,6 +35,7 @@ class Engine(ABC):
         self.dtype = dtype
         self.info = info if info is not None else read_info(self.target_dir, hash_weights=False)
         self.n_layers = self.info.n_layers
+        self.quantization: str | None = None  # the engine's own method the target is served with (subclasses)
 
     @property
     def version(self) -> str:

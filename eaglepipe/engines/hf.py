@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import ParamsError
 from .base import Engine
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,11 @@ class HFEngine(Engine):
     name = "hf"
 
     def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
-                 info=None, **_):
+                 info=None, quantization: str | None = None, **_):
         super().__init__(target_dir, dtype, info)
+        if quantization is not None:  # params refuse it first (eaglepipe/quantization.py); a direct caller here
+            raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
+                              f"quantization {quantization!r} needs engine vllm or sglang")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -89,6 +89,8 @@ class SGLangEngine(Engine):
         start_timeout: seconds one request to the worker may take before it is declared hung.
         engine_kwargs: further ``sglang.Engine`` server arguments for every instance, over those in the
             environment variable ``EAGLEPIPE_SGLANG_ARGS`` (JSON).
+        quantization: SGLang's ``quantization`` server argument for the target (e.g. "fp8"; names checked by
+            :mod:`eaglepipe.quantization`).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2}.
         n_layers: N of the target.
@@ -99,15 +101,19 @@ class SGLangEngine(Engine):
     def __init__(
         self, target_dir, dtype: str = "float32", device: str | None = None, max_total_tokens: int = 8192,
         capture_ids: list[int] | None = None, seed: int = 0, log_level: str = "error",
-        start_timeout: float = 900, engine_kwargs: dict | None = None, info=None, **_,
+        start_timeout: float = 900, engine_kwargs: dict | None = None, info=None,
+        quantization: str | None = None, **_,
     ):
         super().__init__(target_dir, dtype, info)
+        self.quantization = quantization
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.max_total_tokens = max_total_tokens
         self.capture_ids = sorted(set(capture_ids or []))
         self.seed = seed
         self.log_level = log_level
         self.engine_kwargs = {**json.loads(os.environ.get(SERVER_ARGS_ENV) or "{}"), **(engine_kwargs or {})}
+        if quantization is not None:
+            self.engine_kwargs["quantization"] = quantization
         self.startup_s: dict[str, float] = {}
         self._version: str | None = None
         self._worker = Worker(self.device, start_timeout)

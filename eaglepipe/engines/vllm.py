@@ -123,6 +123,9 @@ class VLLMEngine(Engine):
         llm_kwargs: more keyword arguments for every ``vllm.LLM`` this engine starts, over those in the
             environment variable ``EAGLEPIPE_VLLM_ARGS`` (JSON) (e.g. on a GPU:
             ``{"gpu_memory_utilization": 0.5}``).
+        quantization: ``LLM(quantization=...)`` of the target in every mode (e.g. "fp8": weights quantized
+            at load; names checked by :mod:`eaglepipe.quantization`). An EAGLE-3 draft stays unquantized
+            (vLLM's SpeculativeConfig passes the target's quantization on only to MTP drafts).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2, "generate": 29.8}.
         n_layers: N of the target.
@@ -134,9 +137,10 @@ class VLLMEngine(Engine):
         self, target_dir, dtype: str = "float32", kv_cache_gib: float = 2, threads_bind: str | None = None,
         work_dir: str | Path | None = None, max_model_len: int | None = None,
         capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0,
-        llm_kwargs: dict | None = None, info=None, **_,
+        llm_kwargs: dict | None = None, info=None, quantization: str | None = None, **_,
     ):
         super().__init__(target_dir, dtype, info)
+        self.quantization = quantization
         self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
         self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind)
         self.max_model_len = max_model_len
@@ -148,6 +152,8 @@ class VLLMEngine(Engine):
         self._mode: tuple | None = None
         self._store: Path | None = None  # where the connector writes hidden-state files
         self._extra = {**json.loads(os.environ.get(LLM_ARGS_ENV) or "{}"), **(llm_kwargs or {})}
+        if quantization is not None:
+            self._extra["quantization"] = quantization
 
     # ---------------------------------------------------------------- instances
 

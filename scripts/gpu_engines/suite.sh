@@ -12,6 +12,13 @@
 #   suite.sh online     issue 11 item 4: training tokens/s online (target in the loop) vs offline, SmolLM2 shapes,
 #                       fp32 and bf16 target (benchmarks/online_train.py; the target from `setup`'s prep,
 #                       else made from the carried GGUF); writes $OUT/online_train.json (→ benchmarks/h200/)
+#   suite.sh numerics base|serve|fix|serve-fix   issue 16 (benchmarks/numerics.py), one part per device call,
+#                       after setup: base = hf fp32 features → draft, the gate through vLLM bf16 unquantized and
+#                       fp8; serve = that draft served both ways (τ); fix = features extracted by vLLM fp8,
+#                       retrained, the gate again; serve-fix = τ of that draft on fp8. HERE: `python
+#                       benchmarks/numerics.py rows --out DIR` (DIR = the parts' files together) writes
+#                       benchmarks/h200/numerics.json. NUMQ (default fp8) picks the quantization; NUMENGINE=sglang
+#                       runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no fp32 kernel)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip).
 #      Each step bounds its own time (timeout).
@@ -55,5 +62,17 @@ case ${1:-} in
        --gguf /tmp/eng/inputs/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/online --out "$OUT/online_train.json" \
        --samples ${NONLINE:-512} --min-len 256 --max-len 1024 --batch-tokens 16384 --fast \
        --engine-dtype float32 bfloat16 > "$OUT/online_train.log" 2>&1; grep "tok/s\|RESULT\|Error" "$OUT/online_train.log" | cut -c1-600) ;;
-  *) sed -n 2,16p "$0"; exit 2 ;;
+  numerics)  # issue 16; $2 = base | serve | fix | serve-fix (each bounded, so what ran comes back)
+    E=${NUMENGINE:-vllm}; part=${2:-}; [ "$part" = serve ] && part=serve-base
+    case $part in base|serve-base|fix|serve-fix) ;; *) echo "numerics needs base, serve, fix or serve-fix"; exit 2 ;; esac
+    NUM="python3 benchmarks/numerics.py $part --engine $E --quantization ${NUMQ:-fp8} --dtype bfloat16 --out $OUT
+         --target /tmp/w/target --prompts /tmp/eng/inputs/prompts --work /tmp/w/numerics-$E --n $NCONV
+         --eval-prompts $P --max-new $NEW"
+    mkdir -p /tmp/w/numerics-$E  # a step's JSON stays here too: the serve parts read their step's in a later call
+    [ "$part" = serve-base ] && cp /tmp/w/numerics-$E/numerics_base.json "$OUT/" 2>/dev/null
+    [ "$part" = serve-fix ] && cp /tmp/w/numerics-$E/numerics_fix.json "$OUT/" 2>/dev/null
+    (venv "$E"; timeout 560 $NUM > "$OUT/numerics_${part}_$E.log" 2>&1; status=$?
+     cp "$OUT"/numerics_base.json "$OUT"/numerics_fix.json /tmp/w/numerics-$E/ 2>/dev/null
+     grep "RESULT\|Error" "$OUT/numerics_${part}_$E.log" | cut -c1-600; exit $status) ;;
+  *) sed -n 2,21p "$0"; exit 2 ;;
 esac
