@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.engine_table import NAMES as ENGINES  # noqa: E402
 from eaglepipe.errors import EaglepipeError  # noqa: E402
-from eaglepipe.tiny_targets import FAMILIES, build  # noqa: E402
+from eaglepipe.tiny_targets import FAMILIES, build, tiny_conversations  # noqa: E402
 
 LAYERS = [2, 3, 4]
 MIN_COSINE = 0.999
@@ -41,16 +41,10 @@ TIMEOUT_S = 420
 WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel, whose flashinfer/fa3/triton attention backends "
                          "implement MLA and attention sinks (a GPU follow-up of issue 9; the lent H200 has no SGLang)",
               "vllm": "a CUDA machine with vLLM (the lent H200 runs vLLM 0.26)"}
-WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
 
 
 def _conversations(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        q = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 4))
-        a = " ".join(WORDS[(2 * i + j) % len(WORDS)] for j in range(5 + i % 3))
-        out.append({"id": f"c{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
-    return out
+    return tiny_conversations(n, answer_words=5)
 
 
 def prepare(name: str, work: Path) -> dict:

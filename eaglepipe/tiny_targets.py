@@ -86,3 +86,21 @@ def build(name: str, out: str | Path, seed: int = 0) -> Path:
         raw["model_type"] = model_type
         write_target_config(out, raw)
     return out
+
+
+WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
+
+
+def tiny_conversations(n: int, answer_words: int = 4, source: str = "test") -> list[dict]:
+    """``n`` short user → assistant conversations from a 16-word vocabulary (deterministic), for tiny targets.
+
+    Conversation i: a user turn of 3 + i % 4 words and an answer of ``answer_words`` + i % 3 words, shifted
+    through :data:`WORDS`, so lengths and contents vary while every test and benchmark gets the same set.
+    """
+    out = []
+    for i in range(n):
+        q = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 4))
+        a = " ".join(WORDS[(2 * i + j) % len(WORDS)] for j in range(answer_words + i % 3))
+        out.append({"id": f"c{i}", "source": source, "messages": [{"role": "user", "content": q},
+                                                                  {"role": "assistant", "content": a}]})
+    return out

@@ -14,21 +14,14 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from eaglepipe.tiny_targets import tiny_conversations
 from eaglepipe.features import FeatureSet, token_hash
 from eaglepipe.prompts import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
 
 
-def conversations(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        q = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 4))
-        a = " ".join(WORDS[(2 * i + j) % len(WORDS)] for j in range(4 + i % 3))
-        out.append({"id": f"c{i}", "source": "test", "messages": [{"role": "user", "content": q},
-                                                                  {"role": "assistant", "content": a}]})
-    return out
+conversations = tiny_conversations  # shared with tests/test_online.py and the benchmarks
 
 
 def project(tmp: Path, tiny_target: Path, n: int, **extract) -> Path:

@@ -17,6 +17,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from eaglepipe.tiny_targets import tiny_conversations
 from eaglepipe.errors import FeatureStoreError, ParamsError
 from eaglepipe.extract import extract
 from eaglepipe.features import FeatureSet
@@ -29,17 +30,9 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 3]
 GATE = 3  # validate.samples: the tokens store keeps features for the first 3 samples (a prefix of shard 0)
-WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
 
 
-def conversations(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        q = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 4))
-        a = " ".join(WORDS[(2 * i + j) % len(WORDS)] for j in range(4 + i % 3))
-        out.append({"id": f"c{i}", "source": "test", "messages": [{"role": "user", "content": q},
-                                                                  {"role": "assistant", "content": a}]})
-    return out
+conversations = tiny_conversations  # shared with tests/test_extract.py and the benchmarks
 
 
 @pytest.fixture(scope="module")
