@@ -284,3 +284,32 @@ def test_target_as_its_own_draft_accepts_everything(engine, smollm2_dir, prompts
                                         "tokens_per_s": r["tokens_per_s"], "startup_s": r["startup_s"]}
     assert r["outputs"] == served["outputs_plain"]
     assert c["accepted"] >= 0.95 * c["draft_tokens"]
+
+
+IN_PROCESS_SCRIPT = """
+import os, sys
+from pathlib import Path
+from eaglepipe.tiny_targets import build
+from eaglepipe.target import materialize_target
+from eaglepipe.engines import get_engine
+w = Path(sys.argv[1])
+materialize_target(str(build("llama", w / "src")), w / "target")
+with get_engine("vllm", w / "target", dtype="float32", max_model_len=128) as e:
+    out = e.capture([[1, 5, 7, 9, 11, 13], [1, 4, 4, 2]], [2, 3])
+print("SHAPES", [tuple(o.shape) for o in out])
+"""
+
+
+def test_capture_with_an_in_process_engine_core(tmp_path):
+    """vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0 (how the H200 runs it): the connector writes a request's
+    states one engine step after the request finished, and nothing steps an in-process engine once
+    LLM.generate has returned. Without ``_wait_written`` this capture waits on the file's lock forever (seen on
+    the H200 with vLLM 0.26, and reproduced here: killed after 150 s); with it, it returns in seconds."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    r = subprocess.run([sys.executable, "-c", IN_PROCESS_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=420)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SHAPES [(6, 2, 64), (4, 2, 64)]" in r.stdout
