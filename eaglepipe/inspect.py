@@ -63,6 +63,7 @@ class EngineView:
     boundaries: list[int] | None  # h[k] it feeds, ascending; None = cannot be determined (see problems)
     fc_states: int | None  # aux states its draft class sizes fc for
     problems: list[str] = field(default_factory=list)
+    served: bool = True  # False: an eaglepipe export that wrote no ids for this engine (it cannot express them)
 
 
 @dataclass
@@ -242,6 +243,23 @@ def _engine_view(engine: str, version: str, cfg: dict, family: str, n_layers: in
     return view
 
 
+def _mark_unserved(cfg: dict, engines: dict[str, EngineView], notes: list[str]) -> None:
+    """An eaglepipe export lists the engines it wrote ids for (``eaglepipe.engines``); one it left out could not
+    express the trained boundaries (export refused it, data/export/engines.json says why). Such a folder is
+    not meant for that engine: what that engine would do with it is a note, not a problem of the folder."""
+    block = cfg.get("eaglepipe") or {}
+    written = block.get("engines")
+    if not isinstance(written, dict) or not written:
+        return
+    for name, view in engines.items():
+        if name not in written:
+            view.served = False
+            notes.append(f"{name}: this eaglepipe export wrote no ids for {name} (it cannot express "
+                         f"h{block.get('aux_boundaries')}; see the export's engines.json): not to be served by {name}"
+                         + (f" (it would: {'; '.join(view.problems)})" if view.problems else ""))
+            view.problems = []
+
+
 # --- d2t / t2d -------------------------------------------------------------------------------------------
 
 
@@ -311,7 +329,8 @@ def inspect_draft(
         version = versions.get(engine) or conv.installed_version(engine) or conv.KNOWN_VERSIONS[engine]
         engine_cfg = _vllm_view(cfg, fmt) if engine == "vllm" else cfg
         engines[engine] = _engine_view(engine, version, engine_cfg, family, n_layers)
-    sgl, vll = engines["sglang"].boundaries, engines["vllm"].boundaries
+    _mark_unserved(cfg, engines, notes)
+    sgl, vll = (v.boundaries if v.served else None for v in (engines["sglang"], engines["vllm"]))
     agree = None if sgl is None or vll is None else sgl == vll
     if agree is False:
         problems.append(f"SGLang feeds h{sgl}, vLLM feeds h{vll}: one of them serves other features")
@@ -319,7 +338,7 @@ def inspect_draft(
     stated = (cfg.get("eaglepipe") or {}).get("aux_boundaries")
     if stated is not None:
         for v in engines.values():
-            if v.boundaries is not None and v.boundaries != stated:
+            if v.served and v.boundaries is not None and v.boundaries != stated:
                 problems.append(f"trained on h{stated} (eaglepipe block) but {v.engine} feeds h{v.boundaries}")
     _check_rope(_vllm_view(cfg, fmt), target, problems, notes)
     if fmt == "eagle":
@@ -401,6 +420,7 @@ def format_report(report: Report) -> str:
         lines.append(
             f"{v.engine:<7} {v.version:<8} arch={v.architecture or 'REFUSED'}  {where}  → feeds {fed}  "
             f"fc sized for {v.fc_states if v.fc_states is not None else '?'} states"
+            + ("" if v.served else "  (not exported for this engine)")
         )
     lines.append(f"agree    {'yes' if report.agree else 'NO' if report.agree is False else '?'}")
     lines.append(f"fc       {list(report.fc_shape) if report.fc_shape else '?'}")

@@ -153,3 +153,21 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["engines"]["sglang"]["ids"] == [1, 3, 6]
     assert main(["inspect", str(tmp_path / "missing"), "--target", str(target)]) == 2
     assert "config.json: not found" in capsys.readouterr().err
+
+
+def test_export_for_vllm_only_is_not_an_sglang_problem(tmp_path):
+    """h[0] (the embeddings) cannot be expressed for SGLang's llama (+1 rule, negative ids refused): export
+    writes only vLLM's ids. inspect must not call SGLang's default-layer collapse a problem of that folder."""
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8, "target_hidden_size": 16, **LLAMA_FIELDS}
+    cfg = conv.write_draft_ids(cfg, "vllm", "llama", [0, 4, 7], 8, VERSIONS["vllm"])
+    with pytest.raises(conv.ConventionError):
+        conv.write_draft_ids(cfg, "sglang", "llama", [0, 4, 7], 8, VERSIONS["sglang"])
+    r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
+    assert r.engines["vllm"].boundaries == [0, 4, 7] and r.engines["vllm"].served
+    assert not r.engines["sglang"].served and r.engines["sglang"].problems == []
+    assert any(n.startswith("sglang: this eaglepipe export wrote no ids for sglang") for n in r.notes)
+    assert r.problems == [] and r.ok
+    # the same folder without the eaglepipe block (a foreign draft) still reports SGLang's silent default
+    foreign = {k: v for k, v in cfg.items() if k != "eaglepipe"}
+    r2 = inspect_draft(write_draft(tmp_path / "f", foreign), TARGET, VERSIONS)
+    assert not r2.ok and any("silently feeds its default" in p for p in r2.engines["sglang"].problems)
