@@ -160,14 +160,19 @@ def test_two_gloo_ranks_equal_one_process_with_grad_accum_2(features, tiny_targe
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
 
 
-def test_stage_script(features, tiny_target, tmp_path):
+def _run_stage(features, tiny_target, tmp_path):
+    """stages/train_drafter.py on ``features`` with a one-epoch tiny params.yaml in ``tmp_path``."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["layers"] = LAYERS
     params["train"].update(draft_vocab_size=64, epochs=1, batch_tokens=64, warmup_steps=1)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    r = subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(features), str(tiny_target),
-                        "data/drafter", "metrics/train_drafter.json", "reports/train.json", "dvclive/train_drafter"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(features), str(tiny_target),
+                           "data/drafter", "metrics/train_drafter.json", "reports/train.json", "dvclive/train_drafter"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_stage_script(features, tiny_target, tmp_path):
+    r = _run_stage(features, tiny_target, tmp_path)
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "reports" / "train.json").read_text())
     assert m["best"]["tau_sim"] >= 1.0 and m["params"]["layers"] == LAYERS and m["train_tokens"] > 0
@@ -292,13 +297,7 @@ def test_stage_names_a_truncated_shard(features, tiny_target, tmp_path):
     bad = _copy_features(features, tmp_path / "features")
     shard = bad / "shard-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["layers"] = LAYERS
-    params["train"].update(draft_vocab_size=64, epochs=1, batch_tokens=64, warmup_steps=1)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    r = subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(bad), str(tiny_target),
-                        "data/drafter", "metrics/train_drafter.json", "reports/train.json", "dvclive/train_drafter"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = _run_stage(bad, tiny_target, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert f"feature shard {shard}: 1000 bytes, manifest says" in line
