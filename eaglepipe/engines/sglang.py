@@ -1,4 +1,4 @@
-"""The ``sglang`` engine: SGLang's own code (``sglang.Engine``, 0.5.23) behind :class:`Engine`.
+"""The ``sglang`` engine: SGLang's own code (``sglang.Engine``; 0.5.23 here, 0.5.17 on the H200) behind Engine.
 
 Ids are SGLang's own, passed through untouched exactly as a draft's ``config.json`` would hand them to
 SGLang (its model class's ``set_eagle3_layers_to_capture`` makes of them what it makes); which boundary h[k]
@@ -10,7 +10,8 @@ naming the convention, ``return_aux_hidden_state_layer_ids=ids``): SGLang calls 
 ``set_eagle3_layers_to_capture(ids)``, and each request with ``return_hidden_states=True`` receives, per
 prompt token, the concatenated aux states (``(T, len(ids)·H)``) in place of the last hidden state. A
 prefill with ``max_new_tokens=1`` (the sampled token is discarded); the radix cache is off, so every token
-is recomputed and captured.
+is recomputed and captured. SGLang 0.5.17 (the H200's) has no capture-only mode: there real EAGLE-3 with a
+probe draft captures the same ids through the serving code path (:mod:`.sglang_probe`).
 
 Processes: SGLang runs in a worker process of its own, driven through a pipe (:mod:`.sglang_worker`: why,
 and the protocol); the caller's process never imports sglang. The worker keeps sglang imported between

@@ -53,7 +53,8 @@ def probe_draft(target_dir: Path, ids: list[int], work_dir: Path, dtype: str = "
     from ..target_config import lm_fields, read_target_config
 
     text_cfg = lm_fields(read_target_config(target_dir))
-    key = hashlib.sha256(json.dumps([str(target_dir), list(ids), dtype]).encode()).hexdigest()[:12]
+    # keyed by the target's config (not its path): a folder rewritten with another model gets its own probe
+    key = hashlib.sha256(json.dumps([text_cfg, list(ids), dtype], sort_keys=True).encode()).hexdigest()[:12]
     out = Path(work_dir) / f"probe-{key}"
     if (out / "config.json").exists():
         return out
