@@ -102,7 +102,6 @@ def serve(a) -> None:
 def reference(a) -> None:
     """The reference decoder (eaglepipe.specdec through evaluate.reference_eval) on the same prompts."""
     from eaglepipe.evaluate import reference_eval
-    from eaglepipe.specdec import greedy_generate  # noqa: F401  (imported for the record of what ran)
 
     w, prompts = Path(a.work), _prompts(a)
     res = reference_eval(w / "target", w / "drafter", LAYERS, prompts, K, a.max_new, keep_outputs=True)
@@ -177,7 +176,7 @@ def seeds(a) -> None:
         from benchmarks.support_matrix import _conversations
 
         shutil.rmtree(w, ignore_errors=True)
-        info = materialize_target(str(_real_mla_dims(build("kimi_k2", w / "src"))), w / "target")
+        info = materialize_target(str(build("kimi_k2", w / "src")), w / "target")
         p = ExtractParams(engine="vllm", regenerate=False, batch_size=4, max_length=64, dtype="bfloat16",
                           engine_dtype="bfloat16", shard_size=8)  # vLLM's CUDA MLA kernels have no fp32
         manifest, _ = extract(_conversations(16), w / "target", info, SEEDS_LAYERS, p, w / "features",
@@ -216,28 +215,6 @@ def seeds(a) -> None:
         served = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
     _write(Path(a.out), "seeds_sglang.json", {"exported_ids": exported_ids, "exported": ok,
                                               "planted_ids": bad["ids"], "planted": bad, "served": served, **_gpu()})
-
-
-def _real_mla_dims(src: Path) -> Path:
-    """The tiny kimi_k2 with DeepSeek-V3's own MLA head dims (qk_nope 128, qk_rope 64, v 128), re-initialized.
-
-    vLLM 0.26's CUDA MLA prefill backends accept only a few (qk_nope, qk_rope, v) triples
-    (vllm/v1/attention/backends/mla/prefill/flash_attn.py ``supports_mla_dimensions``: DeepSeek's, GLM's,
-    Mistral's); the CPU-sized tiny target's (32, 64, 32) is refused there (seen on the H200).
-    """
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    raw = json.loads((src / "config.json").read_text())
-    cfg = DeepseekV3Config(**{k: v for k, v in raw.items() if k != "model_type"})
-    cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = 128, 64, 128
-    cfg.head_dim = cfg.qk_rope_head_dim
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(cfg).save_pretrained(src)
-    saved = json.loads((src / "config.json").read_text())
-    saved["model_type"] = raw["model_type"]  # kimi_k2 stays kimi_k2 (the target stage maps it)
-    (src / "config.json").write_text(json.dumps(saved, indent=2))
-    return src
 
 
 _FIELDS = ("tau", "acceptance_per_pos", "outputs_equal", "engine_version", "dtype", "prompts", "max_new_tokens",
