@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -31,9 +32,12 @@ sys.path.insert(0, str(REPO))
 K = 3
 LAYERS = [2, 15, 27]  # what the carried draft was trained on (params.yaml defaults)
 SEEDS_LAYERS = [3, 4, 5]  # tiny kimi_k2, N = 6 (eaglepipe.tiny_targets); the seeds' ids for these start at 2
-GPU_VLLM = {"gpu_memory_utilization": 0.35}
+# Engine options on the H200; EAGLEPIPE_VLLM_ARGS / EAGLEPIPE_SGLANG_ARGS (JSON, the stages' own variables)
+# override them, e.g. smaller memory shares when suite.sh's `pipeline` runs several engines at once.
+# SGLang: FA3 (flash_ops) is pruned from the carried sgl_kernel, hence triton attention.
+GPU_VLLM = {"gpu_memory_utilization": 0.35, **json.loads(os.environ.get("EAGLEPIPE_VLLM_ARGS") or "{}")}
 GPU_SGLANG = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True,
-              "mem_fraction_static": 0.35}  # FA3 (flash_ops) is pruned from the carried sgl_kernel
+              "mem_fraction_static": 0.35, **json.loads(os.environ.get("EAGLEPIPE_SGLANG_ARGS") or "{}")}
 
 
 def _write(out: Path, name: str, obj: dict) -> None:

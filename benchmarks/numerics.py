@@ -38,9 +38,7 @@ sys.path.insert(0, str(REPO))
 
 K = 3
 LAYERS = [2, 15, 27]  # params.yaml defaults (SmolLM2, N = 30)
-GPU_VLLM = {"gpu_memory_utilization": 0.35}  # as benchmarks/h200_engines.py
-GPU_SGLANG = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True,
-              "mem_fraction_static": 0.35}
+from benchmarks.h200_engines import GPU_SGLANG, GPU_VLLM  # noqa: E402  (one place for the H200 options)
 
 
 def _write(out: Path, name: str, obj: dict) -> None:

@@ -19,6 +19,9 @@
 #                       benchmarks/numerics.py rows --out DIR` (DIR = the parts' files together) writes
 #                       benchmarks/h200/numerics.json. NUMQ (default fp8) picks the quantization; NUMENGINE=sglang
 #                       runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no fp32 kernel)
+#   suite.sh pipeline   all of extract, validate, seeds, numerics, online and reference in one background
+#                       run (pipeline.sh; phase 1 alone, then three branches at once); then
+#   suite.sh collect [S]  wait up to S s (540) for it, copy its results and logs to $OUT (call it until DONE)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip).
 #      Each step bounds its own time (timeout).
@@ -74,5 +77,14 @@ case ${1:-} in
     (venv "$E"; timeout 560 $NUM > "$OUT/numerics_${part}_$E.log" 2>&1; status=$?
      cp "$OUT"/numerics_base.json "$OUT"/numerics_fix.json /tmp/w/numerics-$E/ 2>/dev/null
      grep "RESULT\|Error" "$OUT/numerics_${part}_$E.log" | cut -c1-600; exit $status) ;;
-  *) sed -n 2,21p "$0"; exit 2 ;;
+  pipeline)  # everything pending at once, in the background (pipeline.sh says what and in which order)
+    mkdir -p /tmp/res; cp -r scripts/gpu_engines /tmp/gpu_engines_run  # the script runs from a copy: the
+    # working tree is sent again with every call, and bash reads a script as it goes
+    REPO_ROOT=$PWD setsid nohup bash /tmp/gpu_engines_run/pipeline.sh > /tmp/res/pipeline.log 2>&1 < /dev/null &
+    sleep 5; cat /tmp/res/steps.txt ;;
+  collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
+    for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
+    cp -r /tmp/res/. "$OUT/"; cat /tmp/res/steps.txt; grep -h "^RESULT" /tmp/res/*.log | cut -c1-300
+    grep -h "Error\|Traceback" /tmp/res/*.log | sort | uniq -c | sort -rn | head -20 | cut -c1-300 ;;
+  *) sed -n 2,25p "$0"; exit 2 ;;
 esac
