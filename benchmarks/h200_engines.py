@@ -163,7 +163,7 @@ def validate_step(a) -> None:
     """Item 3: framework vllm / sglang validate_offsets on the H200, on the features vLLM extracted."""
     w = Path(a.work)
     opts = {"llm_kwargs": GPU_VLLM} if a.engine == "vllm" else {"engine_kwargs": GPU_SGLANG}
-    res = _check(a.engine, w / "target", w / "features-vllm", LAYERS, dtype="float32", **opts)
+    res = _check(a.engine, w / "target", w / "features-vllm", LAYERS, dtype=a.dtype, **opts)
     _write(Path(a.out), f"validate_{a.engine}.json", {"engine": a.engine, "features": "vllm", **res, **_gpu()})
 
 

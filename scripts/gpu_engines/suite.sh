@@ -84,7 +84,7 @@ case ${1:-} in
     sleep 5; cat /tmp/res/steps.txt ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
     for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
-    cp -r /tmp/res/. "$OUT/"; cat /tmp/res/steps.txt; grep -h "^RESULT" /tmp/res/*.log | cut -c1-300
+    tar -czf "$OUT/res.tgz" -C /tmp/res .; cat /tmp/res/steps.txt; grep -h "^RESULT" /tmp/res/*.log | cut -c1-300
     grep -h "Error\|Traceback" /tmp/res/*.log | sort | uniq -c | sort -rn | head -20 | cut -c1-300 ;;
   *) sed -n 2,25p "$0"; exit 2 ;;
 esac
