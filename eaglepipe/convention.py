@@ -409,6 +409,12 @@ def boundaries_of(engine: str, family: str, ids: list[int], n_layers: int, versi
 
 
 def engine_ids(engine: str, family: str, boundaries: list[int], n_layers: int, version: str | None = None) -> list[int]:
+    """The ids the export writes into that engine's draft config for ``boundaries``: :func:`ids_reading_as`."""
+    return ids_reading_as(engine, family, boundaries, n_layers, version)
+
+
+def ids_reading_as(engine: str, family: str, boundaries: list[int], n_layers: int,
+                   version: str | None = None) -> list[int]:
     """Boundary indices h[k] (ascending, unique) → the ids that engine's draft config and capture option need.
 
     Tries the identity encoding (ids = k) first, then ids = k - 1, and keeps the first one the engine's own

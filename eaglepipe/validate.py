@@ -174,6 +174,32 @@ def _cos_rel(stored: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return cos, rel
 
 
+def _neighbour_ids(engine: str, family: str, fed: list[int], can: set[int], search: int,
+                   n_layers: int) -> tuple[list[int], list[int]]:
+    """One id list whose engine reading covers ``fed`` (what the exported ids make the engine feed) and as
+    many of their ±search neighbours as the engine can capture at once; returns (ids, the boundaries they
+    read as, ascending). The list comes from the engine's own reading (convention.ids_reading_as), never
+    from the export's translator (convention.engine_ids), which is what is under test.
+
+    The neighbours are boundaries h[k + d], not ids e + d: under a list-dependent rule (SGLang DeepSeek's
+    first id, srt/models/deepseek_v2.py set_eagle3_layers_to_capture) ids [1, 2, …] all read as h[i+1],
+    so an id-wise union would capture other layers than it names (seen on the H200: "captured 4 of 5 aux
+    hidden states" for a 6-layer kimi_k2). Boundaries are dropped from the ends until the list is
+    expressible (e.g. h[1] there). Raises CaptureMismatch when no list holds every stored boundary.
+    """
+    want = sorted({k + d for k in fed for d in range(-search, search + 1)} & can)
+    for cut in range(len(want)):
+        for lo in range(cut + 1):
+            sub = want[lo:len(want) - (cut - lo)]
+            if not set(fed) <= set(sub):
+                continue
+            try:
+                return convention.ids_reading_as(engine, family, sub, n_layers), sub
+            except ConventionError:
+                continue
+    raise CaptureMismatch(f"{engine} cannot capture the boundaries {fed} of {family} in one list")
+
+
 def check_offsets(
     engine, family: str, n_layers: int, layers: list[int], samples: list[FeatureSample],
     search: int, min_cosine: float, max_rel_l2: float | None = None, reference: ReferenceCapture | None = None,
@@ -205,17 +231,18 @@ def check_offsets(
             f"the export would write ids {ids} for boundaries {layers}, but {engine.name} captures only ids "
             f"{sorted(valid)} for {family} with N = {n_layers}: {sorted(set(ids) - valid)} name no capturable layer"
         )
-    union = sorted({e + d for e in ids for d in range(-search, search + 1)} & valid)
+    fed = convention.boundaries_of(engine.name, family, ids, n_layers)  # what serving feeds for those ids
+    union, got_b = _neighbour_ids(engine.name, family, fed, can, search, n_layers)
     caps = engine.capture([s.input_ids.tolist() for s in samples], union)  # per sample (T, len(union), H)
     stored = torch.cat([s.aux.float() for s in samples])  # (ΣT, L, H)
     got = torch.cat(caps)  # (ΣT, len(union), H)
-    col = {x: i for i, x in enumerate(union)}
+    col = {b: i for i, b in enumerate(got_b)}  # boundary → column of the capture
     reports = []
-    for j, (k, e) in enumerate(zip(layers, ids)):
+    for j, (k, e, f) in enumerate(zip(layers, ids, fed)):
         cosines, rels = {}, {}
-        for d in range(-search, search + 1):
-            if e + d in col:
-                cosines[d], rels[d] = _cos_rel(stored[:, j], got[:, col[e + d]])
+        for d in range(-search, search + 1):  # d: the engine's boundary f + d against the stored h[k]
+            if f + d in col:
+                cosines[d], rels[d] = _cos_rel(stored[:, j], got[:, col[f + d]])
         best_d = max(cosines, key=lambda d: (round(cosines[d], 6), -abs(d)))  # tie → the smaller shift
         reports.append(LayerReport(k, e, cosines[0], rels[0], -best_d, cosines[best_d], cosines))
     ref_name = None
@@ -225,7 +252,7 @@ def check_offsets(
             raise CaptureMismatch(f"reference capture {tuple(ref.shape)} does not match the stored {tuple(stored.shape)}")
         for j, r in enumerate(reports):
             r.ref_cosine, r.ref_rel_l2 = _cos_rel(stored[:, j], ref[:, j])
-            r.gap_cosine, r.gap_rel_l2 = _cos_rel(ref[:, j], got[:, col[r.engine_id]])
+            r.gap_cosine, r.gap_rel_l2 = _cos_rel(ref[:, j], got[:, col[fed[j]]])
         ref_name = f"{reference.engine} {reference.engine_version or '?'} {reference.dtype}, unquantized"
     rep = OffsetReport(engine.name, engine.version, family, len(samples), int(stored.shape[0]), min_cosine, reports,
                        max_rel_l2, getattr(engine, "quantization", None), getattr(engine, "dtype", None), ref_name)

@@ -118,3 +118,20 @@ def test_planted_offset_is_still_an_offset_through_a_numerics_gap(bf16_engine, s
     msg = rep.message()
     assert f"given id {2 + planted} the engine feeds h[{2 + planted}]" in msg and f"off by {planted:+d}" in msg
     assert "numerics gap" not in msg
+
+
+def test_neighbours_are_boundaries_under_sglang_deepseek_first_id_rule():
+    """SGLang reads DeepSeek ids [1, …] all as h[i+1]: the neighbour list drops h[1] instead of naming h[6].
+
+    The case that failed on the H200 (6-layer kimi_k2, stored h[3..5], search 2): the id-wise union
+    [1..5] is read as h[2..6], and h[6] is past SGLang's capture loop ("captured 4 of 5 aux hidden states").
+    """
+    from eaglepipe.validate import _neighbour_ids
+
+    can = set(convention.capturable("sglang", "deepseek_v3", 6))
+    ids, fed = _neighbour_ids("sglang", "deepseek_v3", [3, 4, 5], can, 2, 6)
+    assert (ids, fed) == ([2, 3, 4, 5], [2, 3, 4, 5])
+    assert convention.boundaries_of("sglang", "deepseek_v3", ids, 6) == fed
+    # Llama's +1 rule keeps every neighbour it can capture (h[1..N-1]): ids = boundaries - 1
+    ids, fed = _neighbour_ids("sglang", "llama", [2], set(convention.capturable("sglang", "llama", 4)), 2, 4)
+    assert (ids, fed) == ([0, 1, 2], [1, 2, 3])

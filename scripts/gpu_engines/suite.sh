@@ -5,9 +5,7 @@
 #   suite.sh setup      install vllm, sglang, inputs; check.py for both engines (in parallel); prep the target
 #   suite.sh serve-vllm | serve-sglang     EAGLE-3 vs plain, batch 1 and 8, MT-bench first turns
 #   suite.sh seeds      item 5: kimi_k2 target, vLLM features, SGLang offsets (exported + planted) and serving;
-#                       starts the reference decoder in the background (setsid; its tokens/s are measured
-#                       beside this step's GPU work), collected by `extract`, which waits for it first
-#   suite.sh extract    item 3: extract through hf and vLLM (tokens/s); collects the reference decoder
+#   suite.sh extract    item 3: extract through hf and vLLM (tokens/s)
 #   suite.sh validate   item 3: validate_offsets' check through vLLM and SGLang on the vLLM features
 #   suite.sh online     issue 11 item 4: training tokens/s online (target in the loop) vs offline, SmolLM2 shapes,
 #                       fp32 and bf16 target (benchmarks/online_train.py; the target from `setup`'s prep,
@@ -48,13 +46,9 @@ case ${1:-} in
   serve-vllm) venv vllm; timeout 560 $B serve vllm > "$OUT/serve_vllm.log" 2>&1; grep "RESULT\|Error" "$OUT/serve_vllm.log" | cut -c1-600 ;;
   serve-sglang) venv sglang; timeout 560 $B serve sglang > "$OUT/serve_sglang.log" 2>&1; grep "RESULT\|Error" "$OUT/serve_sglang.log" | cut -c1-600 ;;
   seeds)
-    (venv vllm; setsid nohup $B --out /tmp/ref reference > /tmp/ref.log 2>&1 &)
     (venv vllm; timeout 240 $B seeds vllm > "$OUT/seeds_vllm.log" 2>&1; grep "RESULT\|Error" "$OUT/seeds_vllm.log" | cut -c1-600) &&
     (venv sglang; timeout 300 $B seeds sglang > "$OUT/seeds_sglang.log" 2>&1; grep "RESULT\|Error" "$OUT/seeds_sglang.log" | cut -c1-600) ;;
   extract)  # item 3, part 1: the same conversations through hf, then vLLM (each bounded, so results come back)
-    # the reference decoder (started by `seeds`) must be done before anything here is timed
-    for _ in $(seq 60); do [ -f /tmp/ref/reference.json ] || ! pgrep -f "h200_engines.py.*reference" >/dev/null && break; sleep 5; done
-    cp /tmp/ref/reference.json "$OUT/" 2>/dev/null || { echo "reference not finished:"; tail -3 /tmp/ref.log; }
     (venv vllm; timeout 120 $B extract hf > "$OUT/extract_hf.log" 2>&1; tail -2 "$OUT/extract_hf.log")
     (venv vllm; timeout 420 $B extract vllm > "$OUT/extract_vllm.log" 2>&1; tail -2 "$OUT/extract_vllm.log") ;;
   validate)  # item 3, part 2: validate_offsets' check through vLLM and SGLang on the vLLM features
