@@ -236,7 +236,9 @@ def _row(r: dict, name: str, greedy: dict) -> dict:
         return row
     by = r.get("by_batch_size", {})
     row.update(speedup_bs1=by.get("1", {}).get("speedup"), speedup_bs8=by.get("8", {}).get("speedup"), by_batch_size=by)
-    same = [greedy[i] == o for i, o in zip(r["prompt_ids"], r["outputs_plain"]) if i in greedy]
+    # a shorter run (SGLang's 64 new tokens) is compared with the same number of the reference's tokens
+    same = [list(greedy[i][:len(o)]) == list(o) for i, o in zip(r["prompt_ids"], r["outputs_plain"])
+            if i in greedy and len(o) <= len(greedy[i])]
     row["plain_equal_to_reference_greedy"] = f"{sum(same)}/{len(same)}" if same else "reference outputs not kept"
     row["outputs"] = {"draft": r["outputs_draft"], "plain": r["outputs_plain"]}
     return row

@@ -75,6 +75,9 @@ class ValidateParams(_Strict):
     samples: int = Field(4, ge=1)
     search: int = Field(2, ge=0, le=8)
     min_cosine: float = Field(0.999, gt=0.0, le=1.0)
+    min_match_cosine: float = Field(0.9, gt=0.0, le=1.0, description="a stored layer whose best cosine over "
+                                    "the ±search window is below this matches no capture at all: the gate "
+                                    "names no offset then (verdict 'mismatch')")
     max_rel_l2: float = Field(0.05, gt=0.0, description="above this relative L2 at offset 0 the gate fails "
                               "(a numerics gap, like a cosine below min_cosine)")
     quantization: str | None = Field(None, description="validate against the serving engine quantized this way "

@@ -76,6 +76,10 @@ class OffsetReport:
     quantization: str | None = None  # the serving engine's quantization method (None: unquantized)
     engine_dtype: str | None = None
     reference: str | None = None  # what the ref_* / gap_* figures compare against, e.g. "vllm 0.32.0 bfloat16"
+    min_match_cosine: float = 0.9  # a layer whose best cosine in the window is below this matches nothing
+
+    def _unmatched(self, r: LayerReport) -> bool:
+        return r.best_cosine < self.min_match_cosine
 
     def _close(self, r: LayerReport) -> bool:
         return r.cosine >= self.min_cosine and (self.max_rel_l2 is None or r.rel_l2 <= self.max_rel_l2)
@@ -100,8 +104,11 @@ class OffsetReport:
 
     @property
     def verdict(self) -> str:
-        """"ok", "offset" (some layer is best matched at another id) or "numerics" (right id, but cosine below
+        """"ok", "mismatch" (some layer matches no capture in the window: best cosine below min_match_cosine),
+        "offset" (some layer is best matched at another id) or "numerics" (right id, but cosine below
         min_cosine or relative L2 above max_rel_l2: "numerics gap, offset 0" in :meth:`message`)."""
+        if any(self._unmatched(r) for r in self.layers):
+            return "mismatch"
         if any(r.best_offset != 0 for r in self.layers):
             return "offset"
         return "ok" if self.ok else "numerics"
@@ -124,7 +131,9 @@ class OffsetReport:
         lines = []
         where = f"{self.engine} {self.engine_version or '?'} / {self.family}"
         for r in self.layers:
-            if r.best_offset != 0:
+            if self._unmatched(r):
+                lines.append(self._mismatch_line(r, where))
+            elif r.best_offset != 0:
                 depth = "deeper" if r.best_offset > 0 else "shallower"
                 n = abs(r.best_offset)
                 lines.append(
@@ -138,6 +147,18 @@ class OffsetReport:
             elif not self._close(r):
                 lines.append(self._numerics_line(r, where))
         return "\n".join(lines)
+
+    def _mismatch_line(self, r: LayerReport, where: str) -> str:
+        """One layer that matches no capture in the window: neither an offset nor a small numerics gap."""
+        span = max(map(abs, r.cosines))
+        return (f"stored h[{r.boundary}] matches no capture of {where} within ids ±{span} of the exported id "
+                f"{r.engine_id}: best cosine {r.best_cosine:.4f} (offset {r.best_offset:+d}), at the exported id "
+                f"{r.cosine:.4f} (relative L2 {r.rel_l2:.3g}), below validate.min_match_cosine "
+                f"{self.min_match_cosine}. This is no layer offset and no small numerics gap: the engine computes "
+                f"another function of these tokens than extract's engine did (another model implementation, "
+                f"weights loaded differently, or other tokens). A draft trained on these features would accept "
+                f"almost nothing there. Check the target under both engines (e.g. their greedy outputs) and "
+                f"extract with the serving engine itself (extract.engine = {self.engine}).")
 
     def _numerics_line(self, r: LayerReport, where: str) -> str:
         """One layer best matched at d = 0 but not closely: the numerics gap, its size, and the fix."""
@@ -203,6 +224,7 @@ def _neighbour_ids(engine: str, family: str, fed: list[int], can: set[int], sear
 def check_offsets(
     engine, family: str, n_layers: int, layers: list[int], samples: list[FeatureSample],
     search: int, min_cosine: float, max_rel_l2: float | None = None, reference: ReferenceCapture | None = None,
+    min_match_cosine: float = 0.9,
 ) -> OffsetReport:
     """Capture ``samples`` through ``engine`` with the exported ids (± search) and compare to the stored aux.
 
@@ -212,6 +234,8 @@ def check_offsets(
         layers: the stored boundaries (the manifest's ``layers``).
         samples: stored samples; their ``aux`` is (T, L, H).
         max_rel_l2: fail a layer above this relative L2 at d = 0 too (None: report only).
+        min_match_cosine: a layer whose best cosine over the window is below this matches nothing: no
+            offset is named for it (verdict "mismatch").
         reference: the same samples captured by the unquantized engine (:func:`reference_capture`): each
             layer then reports the stored features and the capture against it (``ref_*``, ``gap_*``).
     Raises:
@@ -255,7 +279,8 @@ def check_offsets(
             r.gap_cosine, r.gap_rel_l2 = _cos_rel(ref[:, j], got[:, col[fed[j]]])
         ref_name = f"{reference.engine} {reference.engine_version or '?'} {reference.dtype}, unquantized"
     rep = OffsetReport(engine.name, engine.version, family, len(samples), int(stored.shape[0]), min_cosine, reports,
-                       max_rel_l2, getattr(engine, "quantization", None), getattr(engine, "dtype", None), ref_name)
+                       max_rel_l2, getattr(engine, "quantization", None), getattr(engine, "dtype", None), ref_name,
+                       min_match_cosine)
     for r in reports:
         log.info("h[%d] id %d: cosine %.6f rel %.3g best offset %+d", r.boundary, r.engine_id, r.cosine, r.rel_l2,
                  r.best_offset)

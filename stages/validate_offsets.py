@@ -37,7 +37,7 @@ def main():
             ref = reference_capture(engine, family, fs.n_layers, fs.layers, samples)
     with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info, quantization=v.quantization) as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, samples, v.search, v.min_cosine,
-                            v.max_rel_l2, ref)
+                            v.max_rel_l2, ref, v.min_match_cosine)
     write_metrics(report_json, rep.to_json())
     write_metrics(metrics, rep.compact())
     cosine_csv.parent.mkdir(parents=True, exist_ok=True)

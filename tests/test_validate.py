@@ -135,3 +135,22 @@ def test_neighbours_are_boundaries_under_sglang_deepseek_first_id_rule():
     # Llama's +1 rule keeps every neighbour it can capture (h[1..N-1]): ids = boundaries - 1
     ids, fed = _neighbour_ids("sglang", "llama", [2], set(convention.capturable("sglang", "llama", 4)), 2, 4)
     assert (ids, fed) == ([0, 1, 2], [1, 2, 3])
+
+
+def test_features_of_another_model_are_a_mismatch_not_an_offset(tiny_target, stored, tmp_path):
+    """Stored features from one model, captured through another (same shapes, other weights): no id in the
+    window matches, so the gate names no offset (the H200 kimi_k2 case: vLLM features, SGLang capture, best
+    cosines 0.24-0.38 at every shift) and says what that means."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    LlamaForCausalLM(AutoConfig.from_pretrained(tiny_target)).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_target).save_pretrained(tmp_path)
+    rep = check_offsets(HFEngine(tmp_path), "llama", 4, [2], stored, search=2, min_cosine=0.999)
+    (r,) = rep.layers
+    assert rep.verdict == "mismatch" and not rep.ok and r.best_cosine < 0.9
+    msg = rep.message()
+    assert "matches no capture" in msg and "no layer offset" in msg
+    assert "(off by" not in msg and "numerics gap, offset 0" not in msg
+    with pytest.raises(CaptureMismatch, match="no layer offset"):
+        require_ok(rep)
