@@ -8,6 +8,7 @@ Runs THERE (``scripts/gpu_engines/suite.sh`` calls it, each engine in its own pr
     reference  the reference decoder (HF target + draft, fp32) on the same prompts
     extract E  E in {hf, vllm}: eaglepipe.extract on the carried training conversations → tokens/s
     validate E validate_offsets' check through engine E on the features extracted by vLLM
+    crosscheck E  E in {vllm, sglang}: the seeds' kimi_k2 target through E against hf fp32 at every boundary
     seeds E    the seeds' case (item 5): tiny random kimi_k2 (DeepSeek-V3 MLA) target; E=vllm: extract its
                features with vLLM, train a few steps, export; E=sglang: SGLang's capture with the exported
                ids (offset 0) and with the seeds' ids planted (the gate names the shift and refuses), then
@@ -221,6 +222,40 @@ def seeds(a) -> None:
                                               "planted_ids": bad["ids"], "planted": bad, "served": served, **_gpu()})
 
 
+def crosscheck(a) -> None:
+    """The seeds' target through hf (fp32, the reference), vLLM and SGLang at the boundaries all three capture:
+    which engine departs from transformers' DeepSeek-V3 (the seeds' case found vLLM's features and SGLang's
+    capture at cosine 0.24-0.38 on the H200). Needs the target of ``seeds vllm`` (built here if absent)."""
+    import torch
+
+    from benchmarks.support_matrix import _conversations
+    from eaglepipe import convention
+    from eaglepipe.engines import get_engine
+    from eaglepipe.engines.hf import HFEngine
+    from eaglepipe.target import materialize_target, read_info
+    from eaglepipe.tiny_targets import build
+    from transformers import AutoTokenizer
+
+    w = Path(a.work) / "seeds"
+    if not (w / "target" / "config.json").exists():
+        materialize_target(str(build("kimi_k2", w / "src")), w / "target")
+    info = read_info(w / "target", hash_weights=False)
+    tok = AutoTokenizer.from_pretrained(w / "target")
+    seqs = [tok(tok.apply_chat_template(c["messages"][:1], tokenize=False))["input_ids"] for c in _conversations(4)]
+    bounds = sorted(set(range(2, info.n_layers)) & set(convention.capturable(a.engine, info.family, info.n_layers)))
+    ref = torch.cat(HFEngine(w / "target", dtype="float32").capture(seqs, bounds))  # (ΣT, B, H)
+    opts = {"llm_kwargs": GPU_VLLM} if a.engine == "vllm" else {"engine_kwargs": GPU_SGLANG, "max_total_tokens": 2048}
+    with get_engine(a.engine, w / "target", dtype="bfloat16", info=info, **opts) as e:
+        got = torch.cat(e.capture(seqs, convention.ids_reading_as(a.engine, info.family, bounds, info.n_layers)))
+        version = e.version
+    rows = [{"boundary": k, "cosine": torch.nn.functional.cosine_similarity(ref[:, j], got[:, j], dim=-1).mean().item(),
+             "rel_l2": ((got[:, j] - ref[:, j]).norm() / ref[:, j].norm()).item()} for j, k in enumerate(bounds)]
+    _write(Path(a.out), f"crosscheck_{a.engine}.json", {"engine": a.engine, "engine_version": version,
+                                                        "dtype": "bfloat16", "reference": "hf float32",
+                                                        "family": info.family, "tokens": int(ref.shape[0]),
+                                                        "layers": rows, **_gpu()})
+
+
 _FIELDS = ("tau", "acceptance_per_pos", "outputs_equal", "engine_version", "dtype", "prompts", "max_new_tokens",
            "tokens_per_s_draft", "tokens_per_s_plain", "speedup", "startup_s_draft", "startup_s_plain",
            "engine_options", "tau_sglang_accept_length", "accept_rate", "drafts", "accepted_tokens",
@@ -266,7 +301,16 @@ def merge(a) -> None:
     (dst / "serve_eval.json").write_text(json.dumps(out, indent=2) + "\n")
     seeds_s, seeds_v = load("seeds_sglang.json"), load("seeds_vllm.json")
     if seeds_s:
-        (dst / "offsets_sglang_deepseek.json").write_text(json.dumps({"target": seeds_v, **seeds_s}, indent=2) + "\n")
+        from eaglepipe.params import ValidateParams
+
+        floor = ValidateParams().min_match_cosine
+        for case in ("exported", "planted"):  # the gate's verdict rule of today, from the recorded cosines
+            best = [r["best_cosine"] for r in seeds_s[case]["report"]["layers"]]
+            seeds_s[case]["verdict_now"] = "mismatch" if min(best) < floor else seeds_s[case]["compact"]["verdict"]
+        cross = {e: load(f"crosscheck_{e}.json") for e in ("vllm", "sglang") if load(f"crosscheck_{e}.json")}
+        (dst / "offsets_sglang_deepseek.json").write_text(json.dumps({"target": seeds_v, **seeds_s,
+                                                                      "crosscheck_against_hf": cross or None},
+                                                                     indent=2) + "\n")
     ex = {e: load(f"extract_{e}.json") or {"not_run": notes.get("extract", {}).get(e)} for e in ("hf", "vllm")}
     val = {e: load(f"validate_{e}.json") or {"not_run": notes.get("validate", {}).get(e)} for e in ("vllm", "sglang")}
     seeds = {"vllm": seeds_v or {"not_run": notes.get("seeds", {}).get("vllm")},
@@ -280,7 +324,8 @@ def merge(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["prep", "serve", "reference", "extract", "validate", "seeds", "merge"])
+    ap.add_argument("step", choices=["prep", "serve", "reference", "extract", "validate", "seeds", "crosscheck",
+                                     "merge"])
     ap.add_argument("engine", nargs="?", default=None)
     ap.add_argument("--work", default="/tmp/w")
     ap.add_argument("--inputs", default="/tmp/eng/inputs")
@@ -294,7 +339,7 @@ def main() -> None:
     a = ap.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.engine == "sglang" else "float32")
     steps = {"prep": prep, "serve": serve, "reference": reference, "extract": extract_step,
-             "validate": validate_step, "seeds": seeds, "merge": merge}
+             "validate": validate_step, "seeds": seeds, "crosscheck": crosscheck, "merge": merge}
     steps[a.step](a)
 
 

@@ -5,6 +5,7 @@
 #   suite.sh setup      install vllm, sglang, inputs; check.py for both engines (in parallel); prep the target
 #   suite.sh serve-vllm | serve-sglang     EAGLE-3 vs plain, batch 1 and 8, MT-bench first turns
 #   suite.sh seeds      item 5: kimi_k2 target, vLLM features, SGLang offsets (exported + planted) and serving;
+#   suite.sh crosscheck the seeds' target through vLLM and SGLang against hf fp32, every boundary (which departs)
 #   suite.sh extract    item 3: extract through hf and vLLM (tokens/s)
 #   suite.sh validate   item 3: validate_offsets' check through vLLM and SGLang on the vLLM features
 #   suite.sh online     issue 11 item 4: training tokens/s online (target in the loop) vs offline, SmolLM2 shapes,
@@ -48,6 +49,9 @@ case ${1:-} in
   seeds)
     (venv vllm; timeout 240 $B seeds vllm > "$OUT/seeds_vllm.log" 2>&1; grep "RESULT\|Error" "$OUT/seeds_vllm.log" | cut -c1-600) &&
     (venv sglang; timeout 300 $B seeds sglang > "$OUT/seeds_sglang.log" 2>&1; grep "RESULT\|Error" "$OUT/seeds_sglang.log" | cut -c1-600) ;;
+  crosscheck)  # the seeds' kimi_k2 target through vLLM and SGLang against hf fp32 at every boundary (which departs)
+    (venv vllm; timeout 200 $B crosscheck vllm > "$OUT/crosscheck_vllm.log" 2>&1; grep "RESULT\|Error" "$OUT/crosscheck_vllm.log" | cut -c1-600)
+    (venv sglang; timeout 240 $B crosscheck sglang > "$OUT/crosscheck_sglang.log" 2>&1; grep "RESULT\|Error" "$OUT/crosscheck_sglang.log" | cut -c1-600) ;;
   extract)  # item 3, part 1: the same conversations through hf, then vLLM (each bounded, so results come back)
     (venv vllm; timeout 120 $B extract hf > "$OUT/extract_hf.log" 2>&1; tail -2 "$OUT/extract_hf.log")
     (venv vllm; timeout 420 $B extract vllm > "$OUT/extract_vllm.log" 2>&1; tail -2 "$OUT/extract_vllm.log") ;;
