@@ -33,6 +33,8 @@ class PromptsParams(_Strict):
     max_records: int = Field(4000, ge=0, description="records read before filtering (0 = all)")
     max_turns: int = Field(1, ge=1, description="user→assistant exchanges kept per conversation")
     max_chars: int = Field(1200, ge=16, description="messages are cut to this many characters")
+    drop_leading_assistant: bool = Field(False, description="drop assistant messages that open a conversation "
+                                         "(FastChat's ShareGPT rule) instead of skipping it as role_order")
     train: int = Field(128, ge=1)
     eval: int = Field(16, ge=0)
     mtbench: bool = True

@@ -190,12 +190,16 @@ def _read_json_array(text: str, path: Path, max_records: int) -> list:
     return out
 
 
-def normalize(rec, index: int, max_turns: int, max_chars: int) -> tuple[dict | None, str | None]:
+def normalize(rec, index: int, max_turns: int, max_chars: int,
+              drop_leading_assistant: bool = False) -> tuple[dict | None, str | None]:
     """One raw record → (normalized record, None) or (None, skip reason).
 
     Keeps an optional leading system message and the first ``max_turns`` user→assistant exchanges; only
     that window is checked. A window whose roles do not alternate user/assistant from the start (e.g. the
-    conversation opens with the assistant) is ``role_order``.
+    conversation opens with the assistant) is ``role_order``. ``drop_leading_assistant``: assistant
+    messages before the first user message are dropped instead (FastChat's ShareGPT preprocessing,
+    fastchat/train/train.py ``preprocess``: "Skip the first one if it is not from human"), so such a
+    conversation keeps its exchanges from its first user message on.
     """
     if not isinstance(rec, dict):
         return None, "malformed"
@@ -204,6 +208,9 @@ def normalize(rec, index: int, max_turns: int, max_chars: int) -> tuple[dict | N
         return None, "malformed"
     msgs = []
     for t in turns:
+        if drop_leading_assistant and not msgs and isinstance(t, dict) and \
+                ROLES.get(str(t.get("from", t.get("role"))).lower()) == "assistant":
+            continue  # before any kept message: an opening assistant turn is dropped, not a role_order skip
         if len([m for m in msgs if m["role"] != "system"]) >= 2 * max_turns:
             break  # only the kept window is checked: a flaw after it does not cost the exchange we keep
         if not isinstance(t, dict):
@@ -232,13 +239,14 @@ def _fingerprint(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
 
 
-def load_conversations(source: str, max_records: int, max_turns: int, max_chars: int) -> PromptSet:
+def load_conversations(source: str, max_records: int, max_turns: int, max_chars: int,
+                       drop_leading_assistant: bool = False) -> PromptSet:
     """Read, normalize and deduplicate (by message content) conversations; count skips by reason."""
     out, seen, ids = PromptSet(), set(), Counter()
     raw = read_raw(source, max_records)
     out.read, out.bad_bytes = len(raw.records), raw.bad_bytes
     for i, rec in enumerate(raw.records):
-        norm, reason = normalize(rec, i, max_turns, max_chars)
+        norm, reason = normalize(rec, i, max_turns, max_chars, drop_leading_assistant)
         if norm is None:
             out.skipped[reason] += 1
             continue

@@ -15,7 +15,7 @@ from eaglepipe.stage import run, start, write_metrics
 def main():
     p = start("prompts").prompts
     out_dir, metrics = Path(sys.argv[1]), sys.argv[2]
-    ps = load_conversations(p.source, p.max_records, p.max_turns, p.max_chars)
+    ps = load_conversations(p.source, p.max_records, p.max_turns, p.max_chars, p.drop_leading_assistant)
     train, held_out = split(ps.records, p.train, p.eval, p.seed)
     mtbench = mtbench_first_turns() if p.mtbench else []
     humaneval = humaneval_prompts(p.humaneval)

@@ -27,6 +27,19 @@ def test_skip_reasons(rec, reason):
     assert normalize(rec, 0, max_turns=1, max_chars=100) == (None, reason)
 
 
+def test_drop_leading_assistant_keeps_the_conversation_from_its_first_user_turn():
+    """FastChat's ShareGPT rule (opt-in): opening assistant turns are dropped, not a role_order skip."""
+    rec = {"id": "g", "conversations": [{"from": "gpt", "value": "hello"}, {"from": "gpt", "value": "again"},
+                                        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    assert normalize(rec, 0, max_turns=1, max_chars=100) == (None, "role_order")
+    norm, why = normalize(rec, 0, max_turns=1, max_chars=100, drop_leading_assistant=True)
+    assert why is None and norm["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    only = {"conversations": [{"from": "gpt", "value": "a"}]}
+    assert normalize(only, 0, 1, 100, drop_leading_assistant=True) == (None, "no_exchange")
+    later = {"conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "q2"}]}
+    assert normalize(later, 0, 1, 100, drop_leading_assistant=True) == (None, "role_order")  # only the opening
+
+
 def test_normalize_roles_window_and_cut():
     rec = {"id": "r", "conversations": [
         {"from": "system", "value": "sys"}, {"from": "user", "value": "q1"}, {"from": "chatgpt", "value": "a1" * 10},
