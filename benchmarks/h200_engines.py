@@ -33,12 +33,31 @@ sys.path.insert(0, str(REPO))
 K = 3
 LAYERS = [2, 15, 27]  # what the carried draft was trained on (params.yaml defaults)
 SEEDS_LAYERS = [3, 4, 5]  # tiny kimi_k2, N = 6 (eaglepipe.tiny_targets); the seeds' ids for these start at 2
-# Engine options on the H200; EAGLEPIPE_VLLM_ARGS / EAGLEPIPE_SGLANG_ARGS (JSON, the stages' own variables)
-# override them, e.g. smaller memory shares when suite.sh's `pipeline` runs several engines at once.
-# SGLang: FA3 (flash_ops) is pruned from the carried sgl_kernel, hence triton attention.
-GPU_VLLM = {"gpu_memory_utilization": 0.35, **json.loads(os.environ.get("EAGLEPIPE_VLLM_ARGS") or "{}")}
+# Engine options on the H200, defaults under what the environment already says (gpu_env). SGLang: FA3
+# (flash_ops) is pruned from the carried sgl_kernel, hence triton attention.
+GPU_VLLM = {"gpu_memory_utilization": 0.35}
 GPU_SGLANG = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True,
-              "mem_fraction_static": 0.35, **json.loads(os.environ.get("EAGLEPIPE_SGLANG_ARGS") or "{}")}
+              "mem_fraction_static": 0.35}
+
+
+def gpu_env() -> dict[str, dict]:
+    """On a GPU: put GPU_VLLM / GPU_SGLANG under the stages' own variables (EAGLEPIPE_VLLM_ARGS,
+    EAGLEPIPE_SGLANG_ARGS, JSON), which every engine eaglepipe starts reads (engines/vllm.py, engines/sglang.py),
+    extract's and serve's too; values already there win (suite.sh's `pipeline` sets smaller memory shares).
+    Returns engine name → the options in effect, for the result files."""
+    import torch
+
+    from eaglepipe.engines.sglang import SERVER_ARGS_ENV
+    from eaglepipe.engines.vllm import LLM_ARGS_ENV
+
+    out = {}
+    for name, var, defaults in (("vllm", LLM_ARGS_ENV, GPU_VLLM), ("sglang", SERVER_ARGS_ENV, GPU_SGLANG)):
+        opts = json.loads(os.environ.get(var) or "{}")
+        if torch.cuda.is_available():
+            opts = {**defaults, **opts}
+            os.environ[var] = json.dumps(opts)
+        out[name] = opts
+    return out
 
 
 def _write(out: Path, name: str, obj: dict) -> None:
@@ -90,14 +109,14 @@ def serve(a) -> None:
         from eaglepipe.engines.vllm import serve_eagle3
 
         res = serve_eagle3(w / "target", w / "export" / "vllm", ids, K, a.max_new, batch_sizes=bs,
-                           dtype=a.dtype, llm_kwargs=GPU_VLLM, work_dir=w / "vllm-work")
-        opts = {"enforce_eager": True, **GPU_VLLM}
+                           dtype=a.dtype, work_dir=w / "vllm-work")
+        opts = {"enforce_eager": True, **a.gpu["vllm"]}
     else:
         from eaglepipe.engines.sglang import serve_eagle3
 
         res = serve_eagle3(w / "target", w / "export" / "sglang", ids, K, a.max_new, batch_sizes=bs,
-                           dtype=a.dtype, engine_kwargs=GPU_SGLANG, log_level="warning")
-        opts = GPU_SGLANG
+                           dtype=a.dtype, log_level="warning")
+        opts = a.gpu["sglang"]
     res["outputs_draft"] = [list(o) for o in res["outputs_draft"]]
     res["outputs_plain"] = [list(o) for o in res["outputs_plain"]]
     _write(Path(a.out), f"serve_{a.engine}.json", {"engine": a.engine, "dtype": a.dtype, "engine_options": opts,
@@ -163,8 +182,7 @@ def _check(engine_name: str, target: Path, features: Path, layers: list[int], pl
 def validate_step(a) -> None:
     """Item 3: framework vllm / sglang validate_offsets on the H200, on the features vLLM extracted."""
     w = Path(a.work)
-    opts = {"llm_kwargs": GPU_VLLM} if a.engine == "vllm" else {"engine_kwargs": GPU_SGLANG}
-    res = _check(a.engine, w / "target", w / "features-vllm", LAYERS, dtype=a.dtype, **opts)
+    res = _check(a.engine, w / "target", w / "features-vllm", LAYERS, dtype=a.dtype)
     _write(Path(a.out), f"validate_{a.engine}.json", {"engine": a.engine, "features": "vllm", **res, **_gpu()})
 
 
@@ -198,12 +216,11 @@ def seeds(a) -> None:
 
     exported_cfg = json.loads((w / "export" / "sglang" / "config.json").read_text())
     exported_ids = convention.config_ids(exported_cfg, "sglang")[0]
-    ok = _check("sglang", w / "target", w / "features", SEEDS_LAYERS, dtype="bfloat16", engine_kwargs=GPU_SGLANG,
-                max_total_tokens=2048)
+    ok = _check("sglang", w / "target", w / "features", SEEDS_LAYERS, dtype="bfloat16", max_total_tokens=2048)
     # The seeds' ids: "id i = output of decoder layer i" (what an exporter that writes Llama's SGLang ids
     # writes: boundary k → id k-1), read by SGLang's DeepSeek first-id rule, which adds +1 only when ids[0]==1.
     bad = _check("sglang", w / "target", w / "features", SEEDS_LAYERS, planted=lambda ks: [k - 1 for k in ks],
-                 dtype="bfloat16", engine_kwargs=GPU_SGLANG, max_total_tokens=2048)
+                 dtype="bfloat16", max_total_tokens=2048)
     served = None
     try:
         from eaglepipe.engines.sglang import serve_eagle3
@@ -214,7 +231,7 @@ def seeds(a) -> None:
         tok = AutoTokenizer.from_pretrained(w / "target")
         prompts = [generation_prompt(tok, c["messages"][:1]) for c in _conversations(8)]
         served = serve_eagle3(w / "target", w / "export" / "sglang", prompts, K, 32, dtype="bfloat16",
-                              engine_kwargs=GPU_SGLANG, max_total_tokens=2048)
+                              max_total_tokens=2048)
         served.pop("outputs_draft"), served.pop("outputs_plain")
     except Exception as e:  # noqa: BLE001 — recorded with its error, the offsets above stand on their own
         served = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
@@ -244,7 +261,7 @@ def crosscheck(a) -> None:
     seqs = [tok(tok.apply_chat_template(c["messages"][:1], tokenize=False))["input_ids"] for c in _conversations(4)]
     bounds = sorted(set(range(2, info.n_layers)) & set(convention.capturable(a.engine, info.family, info.n_layers)))
     ref = torch.cat(HFEngine(w / "target", dtype="float32").capture(seqs, bounds))  # (ΣT, B, H)
-    opts = {"llm_kwargs": GPU_VLLM} if a.engine == "vllm" else {"engine_kwargs": GPU_SGLANG, "max_total_tokens": 2048}
+    opts = {"max_total_tokens": 2048} if a.engine == "sglang" else {}
     with get_engine(a.engine, w / "target", dtype="bfloat16", info=info, **opts) as e:
         got = torch.cat(e.capture(seqs, convention.ids_reading_as(a.engine, info.family, bounds, info.n_layers)))
         version = e.version
@@ -338,6 +355,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128, help="training conversations extracted")
     a = ap.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.engine == "sglang" else "float32")
+    a.gpu = gpu_env()
     steps = {"prep": prep, "serve": serve, "reference": reference, "extract": extract_step,
              "validate": validate_step, "seeds": seeds, "crosscheck": crosscheck, "merge": merge}
     steps[a.step](a)

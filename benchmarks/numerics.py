@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 K = 3
 LAYERS = [2, 15, 27]  # params.yaml defaults (SmolLM2, N = 30)
-from benchmarks.h200_engines import GPU_SGLANG, GPU_VLLM  # noqa: E402  (one place for the H200 options)
+from benchmarks.h200_engines import gpu_env  # noqa: E402  (one place for the H200 engine options)
 
 
 def _write(out: Path, name: str, obj: dict) -> None:
@@ -54,24 +54,13 @@ def _device() -> str:
 
 
 def _engine_opts(a, quantization: str | None) -> dict:
-    """Keyword arguments of the serving engine (GPU memory settings come through the environment, _gpu_env)."""
+    """Keyword arguments of the serving engine (GPU memory settings come through the environment, gpu_env)."""
     opts = {"dtype": a.dtype, "quantization": quantization}
     if a.engine == "vllm":
         opts.update(work_dir=Path(a.work) / "vllm-work", max_model_len=a.max_len + a.max_new + 8)
     else:
         opts.update(max_total_tokens=4096)
     return opts
-
-
-def _gpu_env() -> None:
-    """On a GPU: every engine eaglepipe starts (extract's too) shares the device with the others."""
-    import os
-
-    import torch
-
-    if torch.cuda.is_available():
-        os.environ.setdefault("EAGLEPIPE_VLLM_ARGS", json.dumps(GPU_VLLM))
-        os.environ.setdefault("EAGLEPIPE_SGLANG_ARGS", json.dumps(GPU_SGLANG))
 
 
 def _q(a) -> str | None:
@@ -275,7 +264,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.engine == "sglang" and a.dtype != "bfloat16":
         ap.error("sglang runs bf16 here (sgl_kernel's rmsnorm has no float32 kernel on the H200)")
-    _gpu_env()
+    gpu_env()
     steps = {"base": base, "serve-base": serve_base, "fix": fix, "serve-fix": serve_fix, "rows": rows}
     for name in (["base", "serve-base", "fix", "serve-fix", "rows"] if a.step == "all" else [a.step]):
         steps[name](a)

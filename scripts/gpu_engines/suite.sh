@@ -18,15 +18,17 @@
 #                       benchmarks/numerics.py rows --out DIR` (DIR = the parts' files together) writes
 #                       benchmarks/h200/numerics.json. NUMQ (default fp8) picks the quantization; NUMENGINE=sglang
 #                       runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no fp32 kernel)
+#   suite.sh reference  the reference decoder on the serve steps' prompts (greedy outputs kept)
 #   suite.sh pipeline   all of extract, validate, seeds, numerics, online and reference in one background
-#                       run (pipeline.sh; phase 1 alone, then three branches at once); then
+#                       run (pipeline.sh runs these steps: extract alone, then three branches at once); then
 #   suite.sh collect [S]  wait up to S s (540) for it, copy its results and logs to $OUT (call it until DONE)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
+#      NNUM (numerics: training conversations, default 128),
 #      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip).
 #      Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "${REPO_ROOT:-$(dirname "$0")/../..}"  # pipeline runs a copy of this folder, from the repo root
 d=scripts/gpu_engines/device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 P=${P:-24}; NEW=${NEW:-128}; NCONV=${NCONV:-64}
@@ -58,6 +60,8 @@ case ${1:-} in
   validate)  # item 3, part 2: validate_offsets' check through vLLM and SGLang on the vLLM features
     (venv vllm; timeout 240 $B validate vllm > "$OUT/validate_vllm.log" 2>&1; grep RESULT "$OUT/validate_vllm.log" | cut -c1-400)
     (venv sglang; timeout 300 $B validate sglang > "$OUT/validate_sglang.log" 2>&1; grep RESULT "$OUT/validate_sglang.log" | cut -c1-400) ;;
+  reference)  # the reference decoder on serve's prompts, greedy outputs kept (merge compares engines' with them)
+    (venv vllm; timeout 420 $B reference > "$OUT/reference.log" 2>&1; grep "RESULT\|Error" "$OUT/reference.log" | cut -c1-600) ;;
   online)  # needs only torch/transformers/safetensors/pydantic (the vllm venv has them); no engine, no DVC
     (venv vllm; timeout 560 python3 benchmarks/online_train.py --target /tmp/w/target \
        --gguf /tmp/eng/inputs/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/online --out "$OUT/online_train.json" \
@@ -67,7 +71,7 @@ case ${1:-} in
     E=${NUMENGINE:-vllm}; part=${2:-}; [ "$part" = serve ] && part=serve-base
     case $part in base|serve-base|fix|serve-fix) ;; *) echo "numerics needs base, serve, fix or serve-fix"; exit 2 ;; esac
     NUM="python3 benchmarks/numerics.py $part --engine $E --quantization ${NUMQ:-fp8} --dtype bfloat16 --out $OUT
-         --target /tmp/w/target --prompts /tmp/eng/inputs/prompts --work /tmp/w/numerics-$E --n $NCONV
+         --target /tmp/w/target --prompts /tmp/eng/inputs/prompts --work /tmp/w/numerics-$E --n ${NNUM:-128}
          --eval-prompts $P --max-new $NEW"
     mkdir -p /tmp/w/numerics-$E  # a step's JSON stays here too: the serve parts read their step's in a later call
     [ "$part" = serve-base ] && cp /tmp/w/numerics-$E/numerics_base.json "$OUT/" 2>/dev/null
@@ -78,7 +82,8 @@ case ${1:-} in
   pipeline)  # everything pending at once, in the background (pipeline.sh says what and in which order)
     mkdir -p /tmp/res; cp -r scripts/gpu_engines /tmp/gpu_engines_run  # the script runs from a copy: the
     # working tree is sent again with every call, and bash reads a script as it goes
-    REPO_ROOT=$PWD setsid nohup bash /tmp/gpu_engines_run/pipeline.sh > /tmp/res/pipeline.log 2>&1 < /dev/null &
+    REPO_ROOT=$PWD OUT=/tmp/res setsid nohup bash /tmp/gpu_engines_run/pipeline.sh > /tmp/res/pipeline.log 2>&1 \
+      < /dev/null &
     sleep 5; cat /tmp/res/steps.txt ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
     for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
