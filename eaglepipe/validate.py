@@ -45,12 +45,13 @@ class LayerReport:
     rel_l2: float  # at d = 0
     best_offset: int  # the engine feeds h[boundary + best_offset] for engine_id
     best_cosine: float
-    cosines: dict[int, float] = field(default_factory=dict)  # d → cosine (d = id shift searched)
+    cosines: dict[int, float] = field(default_factory=dict)  # d → cosine against the engine's h[fed + d]
     # with a ReferenceCapture (the same engine unquantized), at the exported id:
     ref_cosine: float | None = None  # stored vs the unquantized capture
     ref_rel_l2: float | None = None
     gap_cosine: float | None = None  # the (quantized) capture vs the unquantized capture: the quantization's gap
     gap_rel_l2: float | None = None
+    fed: int | None = None  # the boundary the engine reads engine_id as (== boundary unless the translator errs)
 
 
 @dataclass
@@ -91,7 +92,8 @@ class OffsetReport:
     def table(self) -> list[dict]:
         """Rows for the heatmap: stored boundary × the boundary each searched id means under the translator."""
         return [
-            {"stored": f"h[{r.boundary}]", "engine": r.boundary + d, "offset": d, "cosine": round(c, 6)}
+            {"stored": f"h[{r.boundary}]", "engine": (r.boundary if r.fed is None else r.fed) + d, "offset": d,
+             "cosine": round(c, 6)}
             for r in self.layers for d, c in sorted(r.cosines.items())
         ]
 
@@ -151,7 +153,7 @@ class OffsetReport:
     def _mismatch_line(self, r: LayerReport, where: str) -> str:
         """One layer that matches no capture in the window: neither an offset nor a small numerics gap."""
         span = max(map(abs, r.cosines))
-        return (f"stored h[{r.boundary}] matches no capture of {where} within ids ±{span} of the exported id "
+        return (f"stored h[{r.boundary}] matches no capture of {where} within ±{span} layers of the exported id "
                 f"{r.engine_id}: best cosine {r.best_cosine:.4f} (offset {r.best_offset:+d}), at the exported id "
                 f"{r.cosine:.4f} (relative L2 {r.rel_l2:.3g}), below validate.min_match_cosine "
                 f"{self.min_match_cosine}. This is no layer offset and no small numerics gap: the engine computes "
@@ -169,7 +171,7 @@ class OffsetReport:
         if self.max_rel_l2 is not None and r.rel_l2 > self.max_rel_l2:
             why.append(f"relative L2 {r.rel_l2:.3g} > validate.max_rel_l2 {self.max_rel_l2}")
         line = (f"stored h[{r.boundary}]: numerics gap, offset 0 — the {served} capture at the exported id "
-                f"{r.engine_id} is the best match of ids ±{max(map(abs, r.cosines))} but only with cosine "
+                f"{r.engine_id} is the best match within ±{max(map(abs, r.cosines))} layers but only with cosine "
                 f"{r.cosine:.6f}, relative L2 {r.rel_l2:.3g} ({'; '.join(why)}): a numerics gap, not an offset "
                 f"— {where} computes this layer differently (kernels, dtype, quantization path) from extract's "
                 f"engine.")
@@ -268,7 +270,7 @@ def check_offsets(
             if f + d in col:
                 cosines[d], rels[d] = _cos_rel(stored[:, j], got[:, col[f + d]])
         best_d = max(cosines, key=lambda d: (round(cosines[d], 6), -abs(d)))  # tie → the smaller shift
-        reports.append(LayerReport(k, e, cosines[0], rels[0], -best_d, cosines[best_d], cosines))
+        reports.append(LayerReport(k, e, cosines[0], rels[0], -best_d, cosines[best_d], cosines, fed=f))
     ref_name = None
     if reference is not None:
         ref = torch.cat(reference.caps)  # (ΣT, L, H)
@@ -290,9 +292,9 @@ def check_offsets(
 def reference_capture(engine, family: str, n_layers: int, layers: list[int],
                       samples: list[FeatureSample]) -> ReferenceCapture:
     """``samples`` captured by ``engine`` (the serving engine, unquantized) at the ids the export writes."""
+    assert getattr(engine, "quantization", None) is None, "a reference capture is the unquantized engine's"
     ids = convention.engine_ids(engine.name, family, layers, n_layers)
     caps = engine.capture([s.input_ids.tolist() for s in samples], ids)  # per sample (T, L, H)
-    assert getattr(engine, "quantization", None) is None, "a reference capture is the unquantized engine's"
     return ReferenceCapture(engine.name, engine.version, engine.dtype, caps)
 
 

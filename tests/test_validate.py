@@ -54,6 +54,9 @@ def test_planted_offset_is_named(engine, stored, monkeypatch, planted):
     msg = rep.message()
     assert f"given id {2 + planted} the engine feeds h[{2 + planted}]" in msg
     assert f"off by {planted:+d}" in msg and ("deeper" if planted > 0 else "shallower") in msg
+    # the heatmap's engine column is the boundary the engine fed: the stored h[2] peaks at engine h[2]
+    best = max(rep.table(), key=lambda row: row["cosine"])
+    assert (best["stored"], best["engine"]) == ("h[2]", 2)
     with pytest.raises(CaptureMismatch, match=re.escape(f"off by {planted:+d}")):
         require_ok(rep)
 
