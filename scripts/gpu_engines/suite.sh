@@ -19,6 +19,10 @@
 #                       benchmarks/h200/numerics.json. NUMQ (default fp8) picks the quantization; NUMENGINE=sglang
 #                       runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no fp32 kernel)
 #   suite.sh reference  the reference decoder on the serve steps' prompts (greedy outputs kept)
+#   suite.sh draft-data | draft-train | draft-serve | draft-sglang | draft-extra | scaling   issue 13: the GPU
+#                       profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate (vLLM) +
+#                       gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); SGLang
+#                       serving of that export; vLLM at k=5 and on HumanEval; the scaling curve's subsets
 #   suite.sh pipeline   all of extract, validate, seeds, numerics, online and reference in one background
 #                       run (pipeline.sh runs these steps: extract alone, then three branches at once); then
 #   suite.sh collect [S]  wait up to S s (540) for it, copy its results and logs to $OUT (call it until DONE)
@@ -38,6 +42,7 @@ case ${1:-} in
   setup)
     set -e
     $d install vllm; $d install sglang; $d install inputs
+    if ls /tmp/eng/data.tar.part* > /dev/null 2>&1; then $d install data; fi   # the GPU profile's sources (gpu_run.sh)
     (venv vllm; python3 -c "import sys; sys.path.insert(0, 'scripts/gpu_engines'); import check; check.build_model()")
     if [ "${CHECKS:-1}" = 1 ]; then  # CHECKS=0 saves ~2 min once the serve steps are known to work
       (venv vllm; python3 scripts/gpu_engines/check.py vllm > "$OUT/check_vllm.log" 2>&1) &
@@ -79,11 +84,44 @@ case ${1:-} in
     (venv "$E"; timeout 560 $NUM > "$OUT/numerics_${part}_$E.log" 2>&1; status=$?
      cp "$OUT"/numerics_base.json "$OUT"/numerics_fix.json /tmp/w/numerics-$E/ 2>/dev/null
      grep "RESULT\|Error" "$OUT/numerics_${part}_$E.log" | cut -c1-600; exit $status) ;;
+  draft-data)  # issue 13: the GPU profile's pipeline up to the offset gate (vLLM regenerates, eager, big batches)
+    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024}' timeout 900 bash scripts/gpu_run.sh \
+      check_params target prompts extract validate_offsets > "$OUT/draft_data.log" 2>&1; rc=$?
+    grep "^=== \|Error" "$OUT/draft_data.log" | cut -c1-400; exit $rc ;;
+  draft-train)  # issue 13: online training (the target in the loop) and export
+    timeout 1500 bash scripts/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1; rc=$?
+    grep "^=== \|epoch .*tau_sim\|Error" "$OUT/draft_train.log" | cut -c1-400; exit $rc ;;
+  draft-serve)  # issue 13: serve_eval (reference decoder, vLLM k=3 at batch 1 and 8), vLLM with CUDA graphs
+    # (eager again if that start fails: the figures then say enforce_eager in reports/serve_eval.json's options)
+    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}' timeout 900 bash scripts/gpu_run.sh \
+      serve_eval > "$OUT/draft_serve.log" 2>&1 ||
+      timeout 900 bash scripts/gpu_run.sh serve_eval > "$OUT/draft_serve_eager.log" 2>&1; rc=$?
+    grep -h "^=== \|Error" "$OUT"/draft_serve*.log | cut -c1-400; exit $rc ;;
+  draft-sglang|draft-extra)  # issue 13: the draft run's export served by SGLang (k=3), then vLLM at k=5 and HumanEval
+    w=/tmp/w13; mkdir -p $w /tmp/w13in; for x in target export drafter; do ln -sfn "$PWD/data/$x" $w/$x; done
+    ln -sfn "$PWD/data/prompts" /tmp/w13in/prompts
+    D="python3 benchmarks/h200_engines.py --work $w --inputs /tmp/w13in --out $OUT --max-new 128"
+    if [ "$1" = draft-sglang ]; then
+      (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false, "cuda_graph_max_bs": 8}'
+       timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang.log" 2>&1 ||
+       { export EAGLEPIPE_SGLANG_ARGS='{}'; timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang_eager.log" 2>&1; }
+       grep -h "RESULT\|Error" "$OUT"/draft_sglang*.log | cut -c1-600)
+    else
+      (venv vllm; export EAGLEPIPE_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}'
+       timeout 500 $D --prompts 80 --k 5 --tag _draft_k5 serve vllm > "$OUT/draft_k5.log" 2>&1
+       timeout 500 $D --prompts 164 --source humaneval --tag _draft_humaneval serve vllm > "$OUT/draft_humaneval.log" 2>&1
+       grep -h "RESULT\|Error" "$OUT"/draft_k5.log "$OUT"/draft_humaneval.log | cut -c1-600)
+    fi ;;
+  scaling)  # issue 13: drafts on the first 1, 2, 4 shards of the draft run's tokens store (benchmarks/scaling.py)
+    (venv vllm; export PYTHONPATH="$PWD:/tmp/eaglepipe-pkgs:$PYTHONPATH"
+     timeout 1500 python3 benchmarks/scaling.py train --shards ${SHARDS:-1 2 4} --out "$OUT" > "$OUT/scaling.log" 2>&1
+     grep "RESULT\|Error" "$OUT/scaling.log" | cut -c1-400) ;;
   pipeline)  # everything pending at once, in the background (pipeline.sh says what and in which order)
-    mkdir -p /tmp/res; cp -r scripts/gpu_engines /tmp/gpu_engines_run  # the script runs from a copy: the
-    # working tree is sent again with every call, and bash reads a script as it goes
-    REPO_ROOT=$PWD OUT=/tmp/res setsid nohup bash /tmp/gpu_engines_run/pipeline.sh > /tmp/res/pipeline.log 2>&1 \
-      < /dev/null &
+    # It runs in a copy of the repo: the working tree is sent again with every call (params.yaml, which
+    # gpu_run.sh merges, included), and bash reads a script as it goes.
+    mkdir -p /tmp/res /tmp/repo; tar -cf - --exclude=./.gpu --exclude=./data . | tar -xf - -C /tmp/repo
+    REPO_ROOT=/tmp/repo OUT=/tmp/res setsid nohup bash /tmp/repo/scripts/gpu_engines/pipeline.sh \
+      > /tmp/res/pipeline.log 2>&1 < /dev/null &
     sleep 5; cat /tmp/res/steps.txt ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
     for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
