@@ -108,18 +108,18 @@ def serve(a) -> None:
     if a.engine == "vllm":
         from eaglepipe.engines.vllm import serve_eagle3
 
-        res = serve_eagle3(w / "target", w / "export" / "vllm", ids, K, a.max_new, batch_sizes=bs,
+        res = serve_eagle3(w / "target", w / "export" / "vllm", ids, a.k, a.max_new, batch_sizes=bs,
                            dtype=a.dtype, work_dir=w / "vllm-work")
         opts = {"enforce_eager": True, **a.gpu["vllm"]}
     else:
         from eaglepipe.engines.sglang import serve_eagle3
 
-        res = serve_eagle3(w / "target", w / "export" / "sglang", ids, K, a.max_new, batch_sizes=bs,
+        res = serve_eagle3(w / "target", w / "export" / "sglang", ids, a.k, a.max_new, batch_sizes=bs,
                            dtype=a.dtype, log_level="warning")
         opts = a.gpu["sglang"]
     res["outputs_draft"] = [list(o) for o in res["outputs_draft"]]
     res["outputs_plain"] = [list(o) for o in res["outputs_plain"]]
-    _write(Path(a.out), f"serve_{a.engine}.json", {"engine": a.engine, "dtype": a.dtype, "engine_options": opts,
+    _write(Path(a.out), f"serve_{a.engine}{a.tag}.json", {"engine": a.engine, "dtype": a.dtype, "engine_options": opts,
                                                    "prompt_ids": [p["id"] for p in prompts], **res, **_gpu()})
 
 
@@ -128,8 +128,8 @@ def reference(a) -> None:
     from eaglepipe.evaluate import reference_eval
 
     w, prompts = Path(a.work), _prompts(a)
-    res = reference_eval(w / "target", w / "drafter", LAYERS, prompts, K, a.max_new, keep_outputs=True)
-    _write(Path(a.out), "reference.json", {"engine": "reference", "dtype": "float32",
+    res = reference_eval(w / "target", w / "drafter", LAYERS, prompts, a.k, a.max_new, keep_outputs=True)
+    _write(Path(a.out), f"reference{a.tag}.json", {"engine": "reference", "dtype": "float32",
                                            "prompt_ids": [p["id"] for p in prompts], **res, **_gpu()})
 
 
@@ -353,6 +353,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="serving dtype; default float32 for vllm, bfloat16 for sglang "
                     "(sgl_kernel's rmsnorm has no float32 kernel: 'failed to dispatch data type Float', seen on the H200)")
     ap.add_argument("--n", type=int, default=128, help="training conversations extracted")
+    ap.add_argument("--k", type=int, default=K, help="drafted tokens per step (serve, reference)")
+    ap.add_argument("--tag", default="", help="suffix of the serve/reference result file (e.g. _k5_humaneval)")
     a = ap.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.engine == "sglang" else "float32")
     a.gpu = gpu_env()

@@ -58,9 +58,14 @@ def train(a) -> None:
         t0 = time.perf_counter()
         s = train_drafter(sub, a.target, Path(a.work) / f"draft-{n}", p, scratch_dir=Path(a.work) / f"scratch-{n}")
         s.pop("losses", None)
-        row = {"shards": n, "conversations": s["samples"], "wall_s": time.perf_counter() - t0, **s}
+        row = {"shards": n, "conversations": _conversations(s), "wall_s": time.perf_counter() - t0, **s}
         (out / f"scaling_{n}.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
-        print(f"RESULT scaling_{n} conversations {s['samples']} best {s['best']} {row['wall_s']:.0f} s", flush=True)
+        print(f"RESULT scaling_{n} conversations {row['conversations']} best {s['best']} {row['wall_s']:.0f} s", flush=True)
+
+
+def _conversations(summary: dict) -> int:
+    """The store's conversations the draft was given (its train split plus the train.eval_fraction held out)."""
+    return summary["samples"]["train"] + summary["samples"]["eval"]
 
 
 def _epoch_rows(summary: dict, conversations: int) -> list[dict]:
@@ -74,7 +79,7 @@ def to_csv(a) -> None:
         s = json.loads(f.read_text())
         rows += _epoch_rows(s, s["conversations"])
     full = json.loads(Path(a.train_report).read_text())
-    full_rows = _epoch_rows(full, full["samples"])
+    full_rows = _epoch_rows(full, _conversations(full))
     best = full_rows[full["best"]["epoch"]]  # the kept epoch: what was exported and served
     serve = json.loads(Path(a.serve_report).read_text()) if a.serve_report else {}
     best["tau_reference"] = serve.get("reference", {}).get("tau")

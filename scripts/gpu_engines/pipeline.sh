@@ -22,7 +22,7 @@ step() {  # step ARGS...: one suite.sh step, a line in $OUT/steps.txt
 echo "start $(date -u +%FT%TZ)" > "$OUT/steps.txt"
 step draft-data
 (step seeds; step crosscheck; touch "$OUT/B.done") &
-(step scaling; touch "$OUT/C.done") &
+(sleep 20; step scaling; touch "$OUT/C.done") &  # after draft-train has merged params.yaml again
 step draft-train
 for _ in $(seq 120); do [ -f "$OUT/B.done" ] && [ -f "$OUT/C.done" ] && break; sleep 5; done  # ≤ 10 min
 step draft-serve
