@@ -3,9 +3,9 @@
     train   THERE (the GPU box), after the GPU profile's extract: drafts trained on the first n shards of its
             tokens store (n · extract.shard_size conversations), with the profile's own train params, online
             as train_drafter does (eaglepipe.train.train_drafter); one JSON per n (its summary's per-epoch τ_sim).
-    csv     HERE: those JSONs, the full run's reports/train.json and the served τ of its kept epoch
-            (reports/serve_eval.json, benchmarks/h200/serve_*.json) → benchmarks/h200/scaling.csv with columns
-            conversations, epochs, tau_sim, tau_reference, tau_vllm, tau_sglang (blank where not measured).
+    csv     HERE: those JSONs (and the full run's reports/train.json, if it ran) and the served τ of a draft's
+            kept epoch (--served) → benchmarks/h200/scaling.csv with columns conversations, epochs, tau_sim,
+            tau_reference, tau_vllm, tau_sglang (blank where not measured); `render` draws it as a PNG.
 
 The subsets share the full store's shards (symlinks) under a manifest that lists only their samples, so the
 features are the same computation; each draft holds out its own train.eval_fraction for τ_sim.
@@ -74,19 +74,18 @@ def _epoch_rows(summary: dict, conversations: int) -> list[dict]:
 
 
 def to_csv(a) -> None:
-    rows = []
-    for f in sorted(Path(a.runs).glob("scaling_*.json")):
-        s = json.loads(f.read_text())
-        rows += _epoch_rows(s, s["conversations"])
-    full = json.loads(Path(a.train_report).read_text())
-    full_rows = _epoch_rows(full, _conversations(full))
-    best = full_rows[full["best"]["epoch"]]  # the kept epoch: what was exported and served
-    serve = json.loads(Path(a.serve_report).read_text()) if a.serve_report else {}
-    best["tau_reference"] = serve.get("reference", {}).get("tau")
-    best["tau_vllm"] = serve.get("vllm", {}).get("tau")
-    if a.sglang and Path(a.sglang).exists():
-        best["tau_sglang"] = json.loads(Path(a.sglang).read_text()).get("tau")
-    rows += full_rows
+    runs = [json.loads(f.read_text()) for f in sorted(Path(a.runs).glob("scaling_*.json"))]
+    if a.train_report:  # the full run (stages/train_drafter.py's report)
+        runs.append(json.loads(Path(a.train_report).read_text()))
+    rows, best = [], {}
+    for s in runs:
+        n = _conversations(s)
+        rows += _epoch_rows(s, n)
+        best[n] = rows[len(rows) - len(s["evals"]) + s["best"]["epoch"]]  # the kept epoch: what is exported
+    for spec in a.served:  # ENGINE:CONVERSATIONS:FILE, a served (or reference) result of that draft
+        engine, n, f = spec.split(":", 2)
+        r = json.loads(Path(f).read_text())
+        best[int(n)][f"tau_{engine}"] = r.get(engine, r).get("tau") if engine == "reference" else r["tau"]
     rows.sort(key=lambda r: (r["conversations"], r["epochs"]))
     with open(a.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, COLUMNS)
@@ -95,6 +94,43 @@ def to_csv(a) -> None:
             w.writerow({c: ("" if r.get(c) is None else (round(r[c], 4) if isinstance(r[c], float) else r[c]))
                         for c in COLUMNS})
     print(Path(a.out).read_text())
+
+
+def render(a) -> None:
+    """benchmarks/h200/scaling.csv → PNG: τ_sim per epoch, one line per conversation count (served τ as dots)."""
+    from PIL import Image, ImageDraw
+
+    rows = list(csv.DictReader(open(a.csv)))
+    w, h, pad = 900, 480, 60
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    taus = [float(r[c]) for r in rows for c in COLUMNS[2:] if r[c]]
+    lo, hi = 1.0, max(taus + [2.0]) + 0.1
+    epochs = max(int(r["epochs"]) for r in rows)
+    x = lambda e: pad + (e - 1) / max(epochs - 1, 1) * (w - 3 * pad)  # noqa: E731
+    y = lambda t: h - pad - (t - lo) / (hi - lo) * (h - 2 * pad)  # noqa: E731
+    d.line([(pad, h - pad), (w - 2 * pad, h - pad)], fill="black"), d.line([(pad, h - pad), (pad, pad)], fill="black")
+    for t in [lo + i * 0.25 for i in range(int((hi - lo) / 0.25) + 1)]:
+        d.text((8, y(t) - 6), f"{t:.2f}", fill="black"), d.line([(pad, y(t)), (w - 2 * pad, y(t))], fill=(225, 225, 225))
+    for e in range(1, epochs + 1):
+        d.text((x(e) - 3, h - pad + 6), str(e), fill="black")
+    d.text((w // 2 - 60, h - 22), "epochs", fill="black")
+    d.text((pad, 12), a.title, fill="black")
+    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+    groups = sorted({int(r["conversations"]) for r in rows})
+    for i, n in enumerate(groups):
+        c = colours[i % len(colours)]
+        pts = [(x(int(r["epochs"])), y(float(r["tau_sim"]))) for r in rows if int(r["conversations"]) == n]
+        d.line(pts, fill=c, width=2)
+        d.text((w - 2 * pad + 8, 40 + 18 * i), f"{n} conv. tau_sim", fill=c)
+        for r in rows:
+            for j, col in enumerate(("tau_reference", "tau_vllm", "tau_sglang")):
+                if int(r["conversations"]) == n and r[col]:
+                    px, py = x(int(r["epochs"])), y(float(r[col]))
+                    d.rectangle([px - 4, py - 4, px + 4, py + 4], outline=c, width=2)
+                    d.text((px + 8, py - 6), f"{col.removeprefix('tau_')} {float(r[col]):.3f}", fill=c)
+    img.save(a.out)
+    print(f"wrote {a.out}")
 
 
 def main() -> None:
@@ -109,12 +145,18 @@ def main() -> None:
     t.add_argument("--out", default="/tmp/out")
     c = sub.add_parser("csv")
     c.add_argument("--runs", required=True, help="folder of the scaling_*.json files")
-    c.add_argument("--train-report", required=True, help="the full run's reports/train.json")
-    c.add_argument("--serve-report", default=None, help="its reports/serve_eval.json (reference, vLLM)")
-    c.add_argument("--sglang", default=None, help="its SGLang serve JSON (benchmarks/h200_engines.py serve)")
+    c.add_argument("--train-report", default=None, help="the full run's reports/train.json, if it ran")
+    c.add_argument("--served", nargs="*", default=[], metavar="ENGINE:CONVERSATIONS:FILE",
+                   help="served τ of the draft trained on that many conversations: ENGINE vllm | sglang (a "
+                   "benchmarks/h200_engines.py serve JSON) or reference (a serve_eval report or reference JSON)")
     c.add_argument("--out", default="benchmarks/h200/scaling.csv")
+    r = sub.add_parser("render")
+    r.add_argument("--csv", default="benchmarks/h200/scaling.csv")
+    r.add_argument("--out", default="benchmarks/h200/scaling.png")
+    r.add_argument("--title", default="EAGLE-3 draft for SmolLM2-135M, H200: tau_sim (held-out ShareGPT) per "
+                   "epoch; squares: served tau (MT-bench, k=3)")
     a = ap.parse_args()
-    {"train": train, "csv": to_csv}[a.cmd](a)
+    {"train": train, "csv": to_csv, "render": render}[a.cmd](a)
 
 
 if __name__ == "__main__":
