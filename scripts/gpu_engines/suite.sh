@@ -50,7 +50,7 @@ case ${1:-} in
     fi
     (venv vllm; $B prep > "$OUT/prep.log" 2>&1) &
     set +e; wait; set -e
-    grep -h "^CHECK\|^RESULT\|Error" "$OUT"/check_*.log "$OUT/prep.log" | cut -c1-600 ;;
+    grep -h "^CHECK\|^RESULT\|Error" "$OUT"/check_*.log "$OUT/prep.log" 2>/dev/null | cut -c1-600; true ;;
   serve-vllm) venv vllm; timeout 560 $B serve vllm > "$OUT/serve_vllm.log" 2>&1; grep "RESULT\|Error" "$OUT/serve_vllm.log" | cut -c1-600 ;;
   serve-sglang) venv sglang; timeout 560 $B serve sglang > "$OUT/serve_sglang.log" 2>&1; grep "RESULT\|Error" "$OUT/serve_sglang.log" | cut -c1-600 ;;
   seeds)
@@ -102,7 +102,7 @@ case ${1:-} in
     ln -sfn "$PWD/data/prompts" /tmp/w13in/prompts
     D="python3 benchmarks/h200_engines.py --work $w --inputs /tmp/w13in --out $OUT --max-new 128"
     if [ "$1" = draft-sglang ]; then
-      (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false, "cuda_graph_max_bs": 8}'
+      (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false}'  # (0.5.17 has no cuda_graph_max_bs)
        timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang.log" 2>&1 ||
        { export EAGLEPIPE_SGLANG_ARGS='{}'; timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang_eager.log" 2>&1; }
        grep -h "RESULT\|Error" "$OUT"/draft_sglang*.log | cut -c1-600)
