@@ -185,6 +185,24 @@ def collate(samples: list[FeatureSample], inv: dict[str, torch.Tensor] | None = 
     )
 
 
+def first_non_finite(samples: list[FeatureSample]) -> tuple[int, dict] | None:
+    """(position, :func:`eaglepipe.features.non_finite` of it) for the first sample whose ``aux`` or ``last``
+    holds a NaN/inf, else None. The samples' float32 sums are reduced on their device and read back in one
+    transfer: one host sync a packed row, not two a sample (online features live on the GPU, where each sync
+    also waits for the training step queued before it). Only a sample whose sum is not finite is counted
+    exactly (a finite tensor whose sum overflows is not flagged)."""
+    where = [(i, getattr(s, name)) for i, s in enumerate(samples) for name in ("aux", "last")
+             if getattr(s, name) is not None]
+    if not where:
+        return None
+    sums = torch.stack([t.sum(dtype=torch.float32) for _, t in where])
+    for i in sorted({i for (i, _), ok in zip(where, torch.isfinite(sums).tolist()) if not ok}):
+        bad = non_finite(samples[i])
+        if bad:
+            return i, bad
+    return None
+
+
 class BatchStream:
     """Packed rows read lazily from the feature store by a worker thread, ``prefetch`` batches ahead.
 
@@ -215,12 +233,12 @@ class BatchStream:
             feats = self.capture([ids for ids, _ in tokens])
             samples = [FeatureSample(r.id, ids, mask, aux, last) for r, (ids, mask), (aux, last) in zip(row, tokens, feats)]
             where = lambda ref: f"(of {self.features_dir / ref.shard}) computed online"  # noqa: E731
-        for ref, s in zip(row, samples):
-            bad = non_finite(s)
-            if bad:
-                raise TrainingError(
-                    f"sample {ref.id!r} {where(ref)}: {bad['non_finite']} non-finite values in {bad['tensor']}; "
-                    "nothing was trained on it. Re-run extract (it quarantines such samples)")
+        found = first_non_finite(samples)
+        if found is not None:
+            ref, bad = row[found[0]], found[1]
+            raise TrainingError(
+                f"sample {ref.id!r} {where(ref)}: {bad['non_finite']} non-finite values in {bad['tensor']}; "
+                "nothing was trained on it. Re-run extract (it quarantines such samples)")
         return samples
 
     def _work(self) -> None:

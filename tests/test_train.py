@@ -229,6 +229,26 @@ def test_sample_longer_than_batch_tokens_is_refused(features, tiny_target, tmp_p
     assert not (tmp_path / "d").exists()
 
 
+def test_first_non_finite_finds_the_first_bad_sample_with_one_reduction():
+    """The row-wise check: the first sample with a NaN/inf in aux or last, its tensor and exact count; a
+    finite sample whose float32 sum overflows is not flagged; tokens-store samples without features pass."""
+    from eaglepipe.features import FeatureSample
+    from eaglepipe.train import first_non_finite
+
+    def sample(i, aux=0.0, last=0.0, features=True):
+        ids = torch.arange(4)
+        if not features:
+            return FeatureSample(f"s{i}", ids, ids > 0, None, None)
+        return FeatureSample(f"s{i}", ids, ids > 0, torch.full((4, 2, 3), aux), torch.full((4, 3), last))
+
+    ok = [sample(0), sample(1, features=False), sample(2, aux=3e38)]  # 24 × 3e38 overflows the sum, not a value
+    assert first_non_finite(ok) is None and first_non_finite([]) is None
+    row = ok + [sample(3, last=float("inf")), sample(4, aux=float("nan"))]
+    assert first_non_finite(row) == (3, {"id": "s3", "tensor": "last", "non_finite": 12})
+    row[3] = sample(3)
+    assert first_non_finite(row) == (4, {"id": "s4", "tensor": "aux", "non_finite": 24})
+
+
 def test_nan_in_a_shard_stops_training_naming_it(features, tiny_target, tmp_path):
     """A NaN in one sample's features: TrainingError naming the sample and its shard, no draft written."""
     from eaglepipe.errors import TrainingError
