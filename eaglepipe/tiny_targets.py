@@ -4,8 +4,12 @@ Sizes are the smallest the real engines run on CPU: vLLM's CPU attention rejects
 32 (hidden 64, 2 heads); vLLM's CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), and its CUDA
 MLA prefill only DeepSeek's own head dims (qk_nope, qk_rope, v) = (128, 64, 128)
 (vllm/v1/attention/backends/mla/prefill/flash_attn.py ``supports_mla_dimensions``, seen on the H200); DeepSeek
-configs say ``topk_method: noaux_tc`` (vLLM's DeepSeek MoE router). Vocabulary: a character-level tokenizer
-with ChatML specials and chat template (ids < 99).
+configs say ``topk_method: noaux_tc`` (vLLM's DeepSeek MoE router). Their MoE routes top-2 of 4 experts in 2
+groups, as real DeepSeek-V3 / Kimi-K2 checkpoints route top-k > 1 (8 of 256): SGLang 0.5.17's triton fused MoE
+sums a never-written buffer for top-1 routing with a routed_scaling_factor other than 1
+(``layers/moe/moe_runner/triton_utils/fused_moe.py _fused_moe_kernel_sequence``; sglang PR #40187), which the
+earlier top-1 tiny target hit on the H200 (benchmarks/sglang_moe_variants.py). Vocabulary: a character-level
+tokenizer with ChatML specials and chat template (ids < 99).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ _BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_att
              num_key_value_heads=1, vocab_size=99, max_position_embeddings=512, tie_word_embeddings=False,
              bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _MLA = dict(num_key_value_heads=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=None,
-            n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, first_k_dense_replace=1,
-            n_group=1, topk_group=1, topk_method="noaux_tc", n_shared_experts=1, moe_layer_freq=1, scoring_func="sigmoid", ep_size=1,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+            n_group=2, topk_group=2, topk_method="noaux_tc", n_shared_experts=1, moe_layer_freq=1, scoring_func="sigmoid", ep_size=1,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 128,
                              "rope_theta": 10000.0})

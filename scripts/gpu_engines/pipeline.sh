@@ -3,11 +3,12 @@
 # starts it under setsid in a copy of the repo (/tmp/repo, so it outlives the device call and later calls'
 # working trees), with OUT=/tmp/res; `suite.sh collect` returns what it wrote. The steps are suite.sh's own,
 # each bounded by its timeout; $OUT/steps.txt gets a line per step (exit code, seconds); $OUT/DONE marks the end.
-# The plan (for the next H200 window; the third window's lesson: two online trainings and an engine at once
-# split the GPU, and the full draft's training ran at ~15k tok/s instead of ~60k, so it did not finish):
-#   issue 13's draft alone, step after step: regenerate (vLLM) + gate; online training + export; serve_eval
-#   (reference + vLLM k=3, batch 1 and 8, CUDA graphs); SGLang serving; then vLLM at k=5 and on HumanEval.
-# What did not finish when the budget ends is simply missing from `collect`'s res.tgz.
+# The plan: the steps of $PLAN, one after the other (the third window's lesson: two online trainings and an
+# engine at once split the GPU, and the full draft's training did not finish). Default: issue 12 item 5
+# (the seeds' case on today's top-2 tiny target, then the MoE variants that pin SGLang 0.5.17's departure),
+# then issue 13's draft: regenerate (vLLM) + gate; online training + export; serve_eval (reference + vLLM
+# k=3, batch 1 and 8, CUDA graphs); SGLang serving; vLLM at k=5 and on HumanEval. Together they need more
+# than one 30-minute window: what did not finish is simply missing from `collect`'s res.tgz.
 set -u
 S="bash $REPO_ROOT/scripts/gpu_engines/suite.sh"
 export OUT=${OUT:?suite.sh pipeline sets it} REPO_ROOT=${REPO_ROOT:?suite.sh pipeline sets it}
@@ -17,9 +18,5 @@ step() {  # step ARGS...: one suite.sh step, a line in $OUT/steps.txt
   local t0=$SECONDS; $S "$@"; echo "$* rc=$? ${SECONDS}s-since-start $((SECONDS - t0))s" >> "$OUT/steps.txt"
 }
 echo "start $(date -u +%FT%TZ)" > "$OUT/steps.txt"
-step draft-data
-step draft-train
-step draft-serve
-step draft-sglang
-step draft-extra
+for s in ${PLAN:-seeds sglang-moe draft-data draft-train draft-serve draft-sglang draft-extra}; do step "$s"; done
 date -u +%FT%TZ > "$OUT/DONE"

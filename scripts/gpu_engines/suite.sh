@@ -23,12 +23,14 @@
 #                       profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate (vLLM) +
 #                       gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); SGLang
 #                       serving of that export; vLLM at k=5 and on HumanEval; the scaling curve's subsets
+#   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
 #   suite.sh pipeline   all of extract, validate, seeds, numerics, online and reference in one background
 #                       run (pipeline.sh runs these steps: extract alone, then three branches at once); then
 #   suite.sh collect [S]  wait up to S s (540) for it, copy its results and logs to $OUT (call it until DONE)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      NNUM (numerics: training conversations, default 128),
-#      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip).
+#      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip),
+#      PLAN (pipeline: its steps, in order; default in pipeline.sh), SHARDS (scaling: default "1 2 4").
 #      Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
 set -uo pipefail
@@ -112,6 +114,9 @@ case ${1:-} in
        timeout 500 $D --prompts 164 --source humaneval --tag _draft_humaneval serve vllm > "$OUT/draft_humaneval.log" 2>&1
        grep -h "RESULT\|Error" "$OUT"/draft_k5.log "$OUT"/draft_humaneval.log | cut -c1-600)
     fi ;;
+  sglang-moe)  # issue 12 item 5: which part of SGLang 0.5.17's DeepSeek path departs (benchmarks/sglang_moe_variants.py)
+    (venv sglang; timeout 330 python3 benchmarks/sglang_moe_variants.py --out "$OUT" --work /tmp/w/moe --budget 270 \
+       > "$OUT/sglang_moe.log" 2>&1; grep "RESULT\|Error" "$OUT/sglang_moe.log" | cut -c1-500) ;;
   scaling)  # issue 13: drafts on the first 1, 2, 4 shards of the draft run's tokens store (benchmarks/scaling.py)
     (venv vllm; export PYTHONPATH="$PWD:/tmp/eaglepipe-pkgs:$PYTHONPATH"
      timeout 1500 python3 benchmarks/scaling.py train --shards ${SHARDS:-1 2 4} --out "$OUT" > "$OUT/scaling.log" 2>&1

@@ -1,0 +1,148 @@
+"""Issue 12 item 5 on the H200: which part of SGLang 0.5.17's DeepSeek-V3 path departs from transformers.
+
+The third window's crosscheck found SGLang 0.5.17 (bf16) at cosine 0.59 / 0.22 / 0.23 / 0.14 against
+transformers fp32 at h[2..5] of the seeds' tiny kimi_k2 target, vLLM 0.26 at >= 0.99992. Reading the 0.5.17
+wheel points at its triton fused-MoE combine (``layers/moe/moe_runner/triton_utils/fused_moe.py``,
+``_fused_moe_kernel_sequence``): with top-1 routing the down projection writes straight into the output
+(``_use_intermediate`` is False), but a ``routed_scaling_factor`` other than 1 skips the "already written"
+shortcut and sums the never-written ``intermediate_cache3`` instead; sglang PR #40187 ("Fix top-1 MoE routing
+with non-unit scaling", in 0.5.23) fixes it. The seeds' target had top-1 routing and DeepseekV3Config's
+default factor 2.5; real DeepSeek-V3 / Kimi-K2 checkpoints route top-8, so eaglepipe's tiny targets now route
+top-2 (eaglepipe/tiny_targets.py). These variants pin the cause in one device call:
+
+    top1          the seeds' old routing (2 experts, top-1, factor 2.5): predicted to depart from h[2] on
+    top1_rsf1     the same with routed_scaling_factor 1.0: predicted to match
+    top1_patched  top1 with the one line of the installed SGLang changed to 0.5.23's form for its run: match
+    default       today's tiny target (4 experts, top-2, 2 groups): predicted to match
+    dense         no MoE layer (first_k_dense_replace 6): MLA and yarn alone: predicted to match
+
+Runs THERE in SGLang's environment (``suite.sh sglang-moe``); each variant is hf fp32 against SGLang bf16 at
+h[0..5] (ids in SGLang's meaning, eaglepipe.convention) on the crosscheck's 4 conversations, one JSON a
+variant as soon as it is done. ``--hf-only`` runs only the transformers side (a CPU check of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TOP1 = {"n_routed_experts": 2, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}  # the seeds' old routing
+# name -> config overrides on top of tiny_targets._BASE + _MLA (transformers DeepseekV3Config keys)
+VARIANTS: dict[str, dict] = {
+    "top1": TOP1,
+    "top1_rsf1": {**TOP1, "routed_scaling_factor": 1.0},
+    "top1_patched": TOP1,
+    "default": {},
+    "dense": {"first_k_dense_replace": 6},
+}
+PATCHED = "top1_patched"
+OLD = "_use_intermediate = not no_combine and (topk != 1 or hooks)"
+NEW = "_use_intermediate = not no_combine and (topk != 1 or hooks or routed_scaling_factor not in (None, 1.0))"
+BOUNDS = [0, 1, 2, 3, 4, 5]
+
+
+def build_variant(name: str, work: Path) -> Path:
+    """tiny_targets.build('kimi_k2') with VARIANTS[name] overrides, then materialize_target (re-saved as deepseek_v3)."""
+    import torch
+    import transformers
+
+    from eaglepipe.target import materialize_target
+    from eaglepipe.target_config import read_target_config, write_target_config
+    from eaglepipe.tiny_targets import _BASE, _MLA, tiny_tokenizer
+
+    src, dst = work / name / "src", work / name / "target"
+    if (dst / "config.json").exists():
+        return dst
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(**{**_BASE, **_MLA, **VARIANTS[name]})
+    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    raw = read_target_config(src)
+    raw["model_type"] = "kimi_k2"
+    write_target_config(src, raw)
+    materialize_target(str(src), dst)
+    return dst
+
+
+def fused_moe_file() -> Path:
+    import sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe as m
+
+    return Path(m.__file__)
+
+
+def run(a) -> None:
+    import torch
+
+    from benchmarks.support_matrix import _conversations
+    from eaglepipe import convention
+    from eaglepipe.engines import get_engine
+    from eaglepipe.engines.hf import HFEngine
+    from eaglepipe.target import read_info
+    from transformers import AutoTokenizer
+
+    t0 = time.time()
+    out, work = Path(a.out), Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in a.variants:
+        if time.time() - t0 > a.budget:
+            print(f"SKIP {name}: budget {a.budget} s spent", flush=True)
+            continue
+        row: dict = {"variant": name, "overrides": VARIANTS[name]}
+        patched = None
+        try:
+            tgt = build_variant(name, work)
+            info = read_info(tgt, hash_weights=False)
+            tok = AutoTokenizer.from_pretrained(tgt)
+            seqs = [tok(tok.apply_chat_template(c["messages"][:1], tokenize=False))["input_ids"]
+                    for c in _conversations(4)]
+            ref = torch.cat(HFEngine(tgt, dtype="float32").capture(seqs, BOUNDS))
+            row["tokens"] = int(ref.shape[0])
+            if a.hf_only:
+                row["hf_rms"] = [round(ref[:, j].pow(2).mean().sqrt().item(), 5) for j in range(len(BOUNDS))]
+            else:
+                if name == PATCHED:
+                    f = fused_moe_file()
+                    text = f.read_text()
+                    if OLD not in text:
+                        raise RuntimeError(f"{f}: the 0.5.17 line is not there (already fixed?)")
+                    f.write_text(text.replace(OLD, NEW, 1))
+                    patched = (f, text)
+                ids = convention.ids_reading_as("sglang", info.family, BOUNDS, info.n_layers)
+                with get_engine("sglang", tgt, dtype="bfloat16", info=info, max_total_tokens=2048) as e:
+                    got = torch.cat(e.capture(seqs, ids))
+                    row["engine_version"] = e.version
+                    row["startup_s"] = e.startup_s
+                cos = torch.nn.functional.cosine_similarity
+                row["layers"] = [{"h": k, "cosine": round(cos(ref[:, j], got[:, j], dim=-1).mean().item(), 5),
+                                  "rel_l2": round(((got[:, j] - ref[:, j]).norm() / ref[:, j].norm()).item(), 4),
+                                  "norm_ratio": round((got[:, j].norm() / ref[:, j].norm()).item(), 3)}
+                                 for j, k in enumerate(BOUNDS)]
+        except Exception as e:  # noqa: BLE001 — one variant's failure must not cost the others
+            row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+        finally:
+            if patched is not None:
+                patched[0].write_text(patched[1])
+        row["elapsed_s"] = round(time.time() - t0, 1)
+        (out / f"mla_{name}.json").write_text(json.dumps(row, indent=2) + "\n")
+        print("RESULT", json.dumps(row)[:1200], flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--budget", type=float, default=240, help="start no new variant after this many seconds")
+    ap.add_argument("--hf-only", action="store_true")
+    a = ap.parse_args()
+    if not a.hf_only:
+        from benchmarks.h200_engines import gpu_env
+
+        gpu_env()  # attention_backend triton, disable_cuda_graph, mem_fraction_static 0.35 (as the crosscheck)
+    run(a)
