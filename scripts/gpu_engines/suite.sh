@@ -24,8 +24,8 @@
 #                       gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); SGLang
 #                       serving of that export; vLLM at k=5 and on HumanEval; the scaling curve's subsets
 #   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
-#   suite.sh pipeline   all of extract, validate, seeds, numerics, online and reference in one background
-#                       run (pipeline.sh runs these steps: extract alone, then three branches at once); then
+#   suite.sh pipeline   the steps of $PLAN (pipeline.sh: its default and why) one after the other, in one
+#                       background run in a copy of the repo; then
 #   suite.sh collect [S]  wait up to S s (540) for it, copy its results and logs to $OUT (call it until DONE)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      NNUM (numerics: training conversations, default 128),
