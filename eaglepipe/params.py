@@ -7,7 +7,7 @@ and what is allowed. Stage scripts call it first, before any work, and exit non-
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, ValidationInfo
@@ -123,7 +123,7 @@ class ServeParams(_Strict):
     k: int = Field(3, ge=1, le=16, description="drafted tokens per step")
     max_new_tokens: int = Field(64, ge=1)
     prompts: int = Field(16, ge=1)
-    batch_sizes: list[int | None] = Field(
+    batch_sizes: list[Annotated[int, Field(ge=1)] | None] = Field(
         [None], min_length=1, description="concurrency levels the engine is timed at, each on the same two "
         "instances (null: every prompt at once; 1: one request at a time, the latency case); the first gives "
         "the top-level figures, all of them reports' by_batch_size")

@@ -33,6 +33,8 @@ def test_repo_params_are_valid():
     ({"layers": [-1, 2]}, "negative boundary"),
     ({"train": {"ttt_steps": 0}}, "'train.ttt_steps' = 0: Input should be greater than or equal to 1"),
     ({"validate": {"serch": 2}}, "unknown key 'validate.serch'"),
+    ({"serve": {"batch_sizes": [1, 0]}}, "'serve.batch_sizes.1' = 0: Input should be greater than or equal to 1"),
+    ({"extract": {"regenerate_engine": "tgi"}}, "'extract.regenerate_engine' = 'tgi'"),
 ])
 def test_bad_params_are_named(patch, expect):
     raw = defaults()

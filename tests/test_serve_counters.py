@@ -24,6 +24,18 @@ def test_by_batch_size_keeps_first_and_all_equal():
     assert "by_batch_size" not in by_batch_size([a], (None,))
 
 
+def test_compact_metrics_carry_the_speedup_at_each_batch_size():
+    """serve.batch_sizes [1, 8]: dvc metrics get speedup_bs1 / speedup_bs8 beside the first run's figures."""
+    from eaglepipe.evaluate import compact_serve_metrics
+
+    run = lambda tau, speedup: {"tau": tau, "acceptance_per_pos": [tau - 1, 0.0], "tokens_per_s_draft": 10.0,  # noqa: E731
+                                "tokens_per_s_plain": 10.0 / speedup, "speedup": speedup, "outputs_equal": True}
+    served = by_batch_size([run(1.5, 0.8), run(1.5, 0.85)], (1, 8))
+    m = compact_serve_metrics({"k": 2, "gate": {"verdict": "ok"}, "vllm": served, "reference": run(1.5, 0.9)})
+    assert m["vllm"]["speedup"] == 0.8 and (m["vllm"]["speedup_bs1"], m["vllm"]["speedup_bs8"]) == (0.8, 0.85)
+    assert "speedup_bs1" not in m["reference"] and m["gate"] == "ok"
+
+
 def test_sglang_counters_give_reference_definitions():
     # two requests, k = 3. Request 1: 4 verify steps accepting 0, 1, 3, 3 drafts; request 2: 2 steps, 2 and 0.
     meta = [
