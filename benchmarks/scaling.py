@@ -50,17 +50,24 @@ def train(a) -> None:
     from eaglepipe.params import parse_params
     from eaglepipe.train import train_drafter
 
-    p = parse_params(yaml.safe_load(Path(a.params).read_text())).train
+    raw = yaml.safe_load(Path(a.params).read_text())
+    for kv in a.set:  # e.g. train.draft_vocab_size=32768: the levers issue 13 asks to measure
+        key, value = kv.split("=", 1)
+        raw["train"][key.removeprefix("train.")] = yaml.safe_load(value)
+    p = parse_params(raw).train
+    tag = "".join(f"_{kv.removeprefix('train.').replace('=', '')}" for kv in a.set)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for n in a.shards:
         sub = subset_store(Path(a.features), n, Path(a.work) / f"store-{n}")
         t0 = time.perf_counter()
-        s = train_drafter(sub, a.target, Path(a.work) / f"draft-{n}", p, scratch_dir=Path(a.work) / f"scratch-{n}")
+        s = train_drafter(sub, a.target, Path(a.work) / f"draft-{n}{tag}", p,
+                          scratch_dir=Path(a.work) / f"scratch-{n}{tag}")
         s.pop("losses", None)
-        row = {"shards": n, "conversations": _conversations(s), "wall_s": time.perf_counter() - t0, **s}
-        (out / f"scaling_{n}.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
-        print(f"RESULT scaling_{n} conversations {row['conversations']} best {s['best']} {row['wall_s']:.0f} s", flush=True)
+        row = {"shards": n, "conversations": _conversations(s), "wall_s": time.perf_counter() - t0,
+               "set": a.set, **s}
+        (out / f"scaling_{n}{tag}.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
+        print(f"RESULT scaling_{n}{tag} conversations {row['conversations']} best {s['best']} {row['wall_s']:.0f} s", flush=True)
 
 
 def _conversations(summary: dict) -> int:
@@ -74,7 +81,8 @@ def _epoch_rows(summary: dict, conversations: int) -> list[dict]:
 
 
 def to_csv(a) -> None:
-    runs = [json.loads(f.read_text()) for f in sorted(Path(a.runs).glob("scaling_*.json"))]
+    runs = [r for r in (json.loads(f.read_text()) for f in sorted(Path(a.runs).glob("scaling_*.json")))
+            if not r.get("set")]  # the curve is of the profile's own settings; --set runs are compared apart
     if a.train_report:  # the full run (stages/train_drafter.py's report)
         runs.append(json.loads(Path(a.train_report).read_text()))
     rows, best = [], {}
@@ -141,6 +149,8 @@ def main() -> None:
     t.add_argument("--target", default="data/target")
     t.add_argument("--params", default="params.yaml", help="the merged params the pipeline ran with")
     t.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
+    t.add_argument("--set", nargs="*", default=[], metavar="train.KEY=VALUE",
+                   help="train params over the profile's (e.g. train.draft_vocab_size=32768 train.ttt_steps=7)")
     t.add_argument("--work", default="/tmp/scaling")
     t.add_argument("--out", default="/tmp/out")
     c = sub.add_parser("csv")

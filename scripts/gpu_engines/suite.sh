@@ -30,7 +30,8 @@
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      NNUM (numerics: training conversations, default 128),
 #      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip),
-#      PLAN (pipeline: its steps, in order; default in pipeline.sh), SHARDS (scaling: default "1 2 4").
+#      PLAN (pipeline: its steps, in order; default in pipeline.sh), SHARDS (scaling: default "1 2 4"),
+#      SET (scaling: train params over the profile's, e.g. "train.draft_vocab_size=32768").
 #      Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
 set -uo pipefail
@@ -119,7 +120,8 @@ case ${1:-} in
        > "$OUT/sglang_moe.log" 2>&1; grep "RESULT\|Error" "$OUT/sglang_moe.log" | cut -c1-500) ;;
   scaling)  # issue 13: drafts on the first 1, 2, 4 shards of the draft run's tokens store (benchmarks/scaling.py)
     (venv vllm; export PYTHONPATH="$PWD:/tmp/eaglepipe-pkgs:$PYTHONPATH"
-     timeout 1500 python3 benchmarks/scaling.py train --shards ${SHARDS:-1 2 4} --out "$OUT" > "$OUT/scaling.log" 2>&1
+     timeout 1500 python3 benchmarks/scaling.py train --shards ${SHARDS:-1 2 4} ${SET:+--set $SET} --out "$OUT" \
+       >> "$OUT/scaling.log" 2>&1
      grep "RESULT\|Error" "$OUT/scaling.log" | cut -c1-400) ;;
   pipeline)  # everything pending at once, in the background (pipeline.sh says what and in which order)
     # It runs in a copy of the repo: the working tree is sent again with every call (params.yaml, which
