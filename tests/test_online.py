@@ -194,6 +194,20 @@ def test_regenerate_engine_writes_the_text_and_the_capture_engine_the_features(t
     assert messages(tmp_path / "vllm") == messages(tmp_path / "hf")
 
 
+def test_scaling_subset_store_holds_the_first_shards(stores, tmp_path):
+    """benchmarks/scaling.py's subsets: the first n shards' samples, their tokens read through the links."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.scaling import subset_store
+
+    full = FeatureSet(stores["tokens"])
+    sub = FeatureSet(subset_store(stores["tokens"], 2, tmp_path / "sub"))
+    first = {s["file"] for s in full.manifest["shards"][:2]}
+    assert [r.id for r in sub.refs] == [r.id for r in full.refs if r.shard in first] and len(sub) == 8 < len(full)
+    assert sub.manifest["totals"]["samples"] == 8 and sub.store == "tokens"
+    for a, b in zip(sub.refs, full.refs):
+        assert all(torch.equal(x, y) for x, y in zip(sub.tokens(a), full.tokens(b)))
+
+
 def test_tokens_store_needs_the_hf_engine():
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["extract"].update(store="tokens", engine="vllm")
