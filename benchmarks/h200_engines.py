@@ -239,38 +239,52 @@ def seeds(a) -> None:
                                               "planted_ids": bad["ids"], "planted": bad, "served": served, **_gpu()})
 
 
-def crosscheck(a) -> None:
-    """The seeds' target through hf (fp32, the reference), vLLM and SGLang at the boundaries all three capture:
-    which engine departs from transformers' DeepSeek-V3 (the seeds' case found vLLM's features and SGLang's
-    capture at cosine 0.24-0.38 on the H200). Needs the target of ``seeds vllm`` (built here if absent)."""
+def crosscheck_rows(engine_name: str, target: Path, bounds: list[int], **engine_opts) -> dict:
+    """``target`` through hf fp32 (the reference) and engine ``engine_name`` in bf16 at boundaries ``bounds``
+    (ids in the engine's meaning, eaglepipe.convention), on 4 chat-templated conversations: per boundary the
+    gate's cosine and relative L2 (eaglepipe.validate.cosine_rel_l2) and the norm ratio engine / hf."""
     import torch
 
     from benchmarks.support_matrix import _conversations
     from eaglepipe import convention
     from eaglepipe.engines import get_engine
     from eaglepipe.engines.hf import HFEngine
+    from eaglepipe.target import read_info
+    from eaglepipe.validate import cosine_rel_l2
+    from transformers import AutoTokenizer
+
+    info = read_info(target, hash_weights=False)
+    tok = AutoTokenizer.from_pretrained(target)
+    seqs = [tok(tok.apply_chat_template(c["messages"][:1], tokenize=False))["input_ids"] for c in _conversations(4)]
+    ref = torch.cat(HFEngine(target, dtype="float32").capture(seqs, bounds))  # (ΣT, B, H)
+    with get_engine(engine_name, target, dtype="bfloat16", info=info, **engine_opts) as e:
+        got = torch.cat(e.capture(seqs, convention.ids_reading_as(engine_name, info.family, bounds, info.n_layers)))
+        version = e.version
+    rows = []
+    for j, k in enumerate(bounds):
+        cos, rel = cosine_rel_l2(ref[:, j], got[:, j])
+        rows.append({"boundary": k, "cosine": cos, "rel_l2": rel,
+                     "norm_ratio": (got[:, j].norm() / ref[:, j].norm()).item()})
+    return {"engine": engine_name, "engine_version": version, "dtype": "bfloat16", "reference": "hf float32",
+            "family": info.family, "tokens": int(ref.shape[0]), "layers": rows}
+
+
+def crosscheck(a) -> None:
+    """The seeds' target through hf (fp32, the reference) and engine ``a.engine`` at every boundary it captures
+    from h[2] on: which engine departs from transformers' DeepSeek-V3 (the seeds' case found vLLM's features and
+    SGLang's capture at cosine 0.24-0.38 on the H200). Needs the target of ``seeds vllm`` (built here if absent)."""
+    from eaglepipe import convention
     from eaglepipe.target import materialize_target, read_info
     from eaglepipe.tiny_targets import build
-    from transformers import AutoTokenizer
 
     w = Path(a.work) / "seeds"
     if not (w / "target" / "config.json").exists():
         materialize_target(str(build("kimi_k2", w / "src")), w / "target")
     info = read_info(w / "target", hash_weights=False)
-    tok = AutoTokenizer.from_pretrained(w / "target")
-    seqs = [tok(tok.apply_chat_template(c["messages"][:1], tokenize=False))["input_ids"] for c in _conversations(4)]
     bounds = sorted(set(range(2, info.n_layers)) & set(convention.capturable(a.engine, info.family, info.n_layers)))
-    ref = torch.cat(HFEngine(w / "target", dtype="float32").capture(seqs, bounds))  # (ΣT, B, H)
     opts = {"max_total_tokens": 2048} if a.engine == "sglang" else {}
-    with get_engine(a.engine, w / "target", dtype="bfloat16", info=info, **opts) as e:
-        got = torch.cat(e.capture(seqs, convention.ids_reading_as(a.engine, info.family, bounds, info.n_layers)))
-        version = e.version
-    rows = [{"boundary": k, "cosine": torch.nn.functional.cosine_similarity(ref[:, j], got[:, j], dim=-1).mean().item(),
-             "rel_l2": ((got[:, j] - ref[:, j]).norm() / ref[:, j].norm()).item()} for j, k in enumerate(bounds)]
-    _write(Path(a.out), f"crosscheck_{a.engine}.json", {"engine": a.engine, "engine_version": version,
-                                                        "dtype": "bfloat16", "reference": "hf float32",
-                                                        "family": info.family, "tokens": int(ref.shape[0]),
-                                                        "layers": rows, **_gpu()})
+    _write(Path(a.out), f"crosscheck_{a.engine}.json", {**crosscheck_rows(a.engine, w / "target", bounds, **opts),
+                                                        **_gpu()})
 
 
 _FIELDS = ("tau", "acceptance_per_pos", "outputs_equal", "engine_version", "dtype", "prompts", "max_new_tokens",

@@ -18,7 +18,7 @@ top-2 (eaglepipe/tiny_targets.py). These variants pin the cause in one device ca
 
 Runs THERE in SGLang's environment (``suite.sh sglang-moe``); each variant is hf fp32 against SGLang bf16 at
 h[0..5] (ids in SGLang's meaning, eaglepipe.convention) on the crosscheck's 4 conversations, one JSON a
-variant as soon as it is done. ``--hf-only`` runs only the transformers side (a CPU check of this script).
+variant as soon as it is done. ``--engine hf`` compares hf bf16 instead (a CPU check of this script).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 TOP1 = {"n_routed_experts": 2, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}  # the seeds' old routing
-# name -> config overrides on top of tiny_targets._BASE + _MLA (transformers DeepseekV3Config keys)
+# name -> config overrides of the tiny kimi_k2 (tiny_targets.build; transformers DeepseekV3Config keys)
 VARIANTS: dict[str, dict] = {
     "top1": TOP1,
     "top1_rsf1": {**TOP1, "routed_scaling_factor": 1.0},
@@ -48,25 +48,13 @@ BOUNDS = [0, 1, 2, 3, 4, 5]
 
 
 def build_variant(name: str, work: Path) -> Path:
-    """tiny_targets.build('kimi_k2') with VARIANTS[name] overrides, then materialize_target (re-saved as deepseek_v3)."""
-    import torch
-    import transformers
-
+    """The tiny kimi_k2 with VARIANTS[name] over its config (seed 0), materialized as the target stage does."""
     from eaglepipe.target import materialize_target
-    from eaglepipe.target_config import read_target_config, write_target_config
-    from eaglepipe.tiny_targets import _BASE, _MLA, tiny_tokenizer
+    from eaglepipe.tiny_targets import build
 
-    src, dst = work / name / "src", work / name / "target"
-    if (dst / "config.json").exists():
-        return dst
-    torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(**{**_BASE, **_MLA, **VARIANTS[name]})
-    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(src)
-    tiny_tokenizer().save_pretrained(src)
-    raw = read_target_config(src)
-    raw["model_type"] = "kimi_k2"
-    write_target_config(src, raw)
-    materialize_target(str(src), dst)
+    dst = work / name / "target"
+    if not (dst / "config.json").exists():
+        materialize_target(str(build("kimi_k2", work / name / "src", **VARIANTS[name])), dst)
     return dst
 
 
@@ -77,18 +65,12 @@ def fused_moe_file() -> Path:
 
 
 def run(a) -> None:
-    import torch
-
-    from benchmarks.support_matrix import _conversations
-    from eaglepipe import convention
-    from eaglepipe.engines import get_engine
-    from eaglepipe.engines.hf import HFEngine
-    from eaglepipe.target import read_info
-    from transformers import AutoTokenizer
+    from benchmarks.h200_engines import crosscheck_rows
 
     t0 = time.time()
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
+    opts = {"max_total_tokens": 2048} if a.engine == "sglang" else {}
     for name in a.variants:
         if time.time() - t0 > a.budget:
             print(f"SKIP {name}: budget {a.budget} s spent", flush=True)
@@ -97,32 +79,14 @@ def run(a) -> None:
         patched = None
         try:
             tgt = build_variant(name, work)
-            info = read_info(tgt, hash_weights=False)
-            tok = AutoTokenizer.from_pretrained(tgt)
-            seqs = [tok(tok.apply_chat_template(c["messages"][:1], tokenize=False))["input_ids"]
-                    for c in _conversations(4)]
-            ref = torch.cat(HFEngine(tgt, dtype="float32").capture(seqs, BOUNDS))
-            row["tokens"] = int(ref.shape[0])
-            if a.hf_only:
-                row["hf_rms"] = [round(ref[:, j].pow(2).mean().sqrt().item(), 5) for j in range(len(BOUNDS))]
-            else:
-                if name == PATCHED:
-                    f = fused_moe_file()
-                    text = f.read_text()
-                    if OLD not in text:
-                        raise RuntimeError(f"{f}: the 0.5.17 line is not there (already fixed?)")
-                    f.write_text(text.replace(OLD, NEW, 1))
-                    patched = (f, text)
-                ids = convention.ids_reading_as("sglang", info.family, BOUNDS, info.n_layers)
-                with get_engine("sglang", tgt, dtype="bfloat16", info=info, max_total_tokens=2048) as e:
-                    got = torch.cat(e.capture(seqs, ids))
-                    row["engine_version"] = e.version
-                    row["startup_s"] = e.startup_s
-                cos = torch.nn.functional.cosine_similarity
-                row["layers"] = [{"h": k, "cosine": round(cos(ref[:, j], got[:, j], dim=-1).mean().item(), 5),
-                                  "rel_l2": round(((got[:, j] - ref[:, j]).norm() / ref[:, j].norm()).item(), 4),
-                                  "norm_ratio": round((got[:, j].norm() / ref[:, j].norm()).item(), 3)}
-                                 for j, k in enumerate(BOUNDS)]
+            if name == PATCHED and a.engine == "sglang":  # the one line, for this variant's run only
+                f = fused_moe_file()
+                text = f.read_text()
+                if OLD not in text:
+                    raise RuntimeError(f"{f}: the 0.5.17 line is not there (already fixed?)")
+                f.write_text(text.replace(OLD, NEW, 1))
+                patched = (f, text)
+            row.update(crosscheck_rows(a.engine, tgt, BOUNDS, **opts))
         except Exception as e:  # noqa: BLE001 — one variant's failure must not cost the others
             row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
         finally:
@@ -137,12 +101,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--engine", default="sglang", help="sglang (THERE) | hf (hf bf16: a CPU check of the script)")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--budget", type=float, default=240, help="start no new variant after this many seconds")
-    ap.add_argument("--hf-only", action="store_true")
     a = ap.parse_args()
-    if not a.hf_only:
-        from benchmarks.h200_engines import gpu_env
+    from benchmarks.h200_engines import gpu_env
 
-        gpu_env()  # attention_backend triton, disable_cuda_graph, mem_fraction_static 0.35 (as the crosscheck)
+    gpu_env()  # on the GPU: attention_backend triton, disable_cuda_graph, mem_fraction_static 0.35 (as crosscheck)
     run(a)

@@ -178,7 +178,6 @@ class _Engines:
     def __init__(self, stack: ExitStack, target_dir: Path, info: TargetInfo, p: ExtractParams):
         self.stack, self.target_dir, self.info, self.p = stack, target_dir, info, p
         self.running: dict[str, object] = {}
-        self.version: str | None = None  # the capture engine's
 
     def _get(self, name: str):
         if name not in self.running:
@@ -189,9 +188,7 @@ class _Engines:
         return self.running[name]
 
     def capture(self):
-        engine = self._get(self.p.engine)
-        self.version = engine.version
-        return engine
+        return self._get(self.p.engine)
 
     def regenerate(self):
         return self._get(self.p.regenerate_engine or self.p.engine)
@@ -210,9 +207,10 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
     caps = [None] * len(chunk)
     if gate:
         t0 = time.perf_counter()
-        caps = engines.capture().capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) fp32
+        engine = engines.capture()
+        caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) float32
         timing.capture += time.perf_counter() - t0
-        timing.version = engines.version
+        timing.version = engine.version
         timing.tokens += sum(len(t.input_ids) for t in toks)
     samples = []
     for j, (conv, t, h) in enumerate(zip(chunk, toks, caps)):

@@ -71,18 +71,19 @@ def tiny_tokenizer():
     )
 
 
-def build(name: str, out: str | Path, seed: int = 0) -> Path:
+def build(name: str, out: str | Path, seed: int = 0, **overrides) -> Path:
     """Save the tiny random target ``name`` (a key of :data:`FAMILIES`) as an HF folder at ``out``.
 
     Weights are random (torch seed ``seed``), float32. For ``kimi_k2`` the folder's config.json then says
     ``model_type: kimi_k2`` (as Kimi-K2 checkpoints do), which transformers alone cannot load.
+    ``overrides``: config keys over the family's (e.g. ``num_experts_per_tok=1`` for a variant).
     """
     import torch
     import transformers
 
     cls_name, extra, model_type, _ = FAMILIES[name]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cls_name)(**{**_BASE, **extra})
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **extra, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     out = Path(out)
     model.save_pretrained(out)

@@ -45,13 +45,13 @@ class LayerReport:
     rel_l2: float  # at d = 0
     best_offset: int  # the engine feeds h[boundary + best_offset] for engine_id
     best_cosine: float
+    fed: int  # the boundary the engine reads engine_id as (== boundary unless the translator errs)
     cosines: dict[int, float] = field(default_factory=dict)  # d → cosine against the engine's h[fed + d]
     # with a ReferenceCapture (the same engine unquantized), at the exported id:
     ref_cosine: float | None = None  # stored vs the unquantized capture
     ref_rel_l2: float | None = None
     gap_cosine: float | None = None  # the (quantized) capture vs the unquantized capture: the quantization's gap
     gap_rel_l2: float | None = None
-    fed: int | None = None  # the boundary the engine reads engine_id as (== boundary unless the translator errs)
 
 
 @dataclass
@@ -92,8 +92,7 @@ class OffsetReport:
     def table(self) -> list[dict]:
         """Rows for the heatmap: stored boundary × the boundary each searched id means under the translator."""
         return [
-            {"stored": f"h[{r.boundary}]", "engine": (r.boundary if r.fed is None else r.fed) + d, "offset": d,
-             "cosine": round(c, 6)}
+            {"stored": f"h[{r.boundary}]", "engine": r.fed + d, "offset": d, "cosine": round(c, 6)}
             for r in self.layers for d, c in sorted(r.cosines.items())
         ]
 
@@ -190,8 +189,9 @@ class OffsetReport:
                        f"validate.min_cosine / validate.max_rel_l2 knowingly.")
 
 
-def _cos_rel(stored: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """stored, got: float32 (T, H). Mean per-token cosine, and ‖got − stored‖ / ‖stored‖."""
+def cosine_rel_l2(stored: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """stored, got: float32 (T, H). Mean per-token cosine, and ‖got − stored‖ / ‖stored‖ (the gate's two
+    measures of one layer)."""
     cos = torch.nn.functional.cosine_similarity(stored, got, dim=-1).mean().item()
     rel = ((got - stored).norm() / stored.norm().clamp_min(1e-12)).item()
     return cos, rel
@@ -268,17 +268,17 @@ def check_offsets(
         cosines, rels = {}, {}
         for d in range(-search, search + 1):  # d: the engine's boundary f + d against the stored h[k]
             if f + d in col:
-                cosines[d], rels[d] = _cos_rel(stored[:, j], got[:, col[f + d]])
+                cosines[d], rels[d] = cosine_rel_l2(stored[:, j], got[:, col[f + d]])
         best_d = max(cosines, key=lambda d: (round(cosines[d], 6), -abs(d)))  # tie → the smaller shift
-        reports.append(LayerReport(k, e, cosines[0], rels[0], -best_d, cosines[best_d], cosines, fed=f))
+        reports.append(LayerReport(k, e, cosines[0], rels[0], -best_d, cosines[best_d], f, cosines))
     ref_name = None
     if reference is not None:
         ref = torch.cat(reference.caps)  # (ΣT, L, H)
         if ref.shape != stored.shape:
             raise CaptureMismatch(f"reference capture {tuple(ref.shape)} does not match the stored {tuple(stored.shape)}")
         for j, r in enumerate(reports):
-            r.ref_cosine, r.ref_rel_l2 = _cos_rel(stored[:, j], ref[:, j])
-            r.gap_cosine, r.gap_rel_l2 = _cos_rel(ref[:, j], got[:, col[fed[j]]])
+            r.ref_cosine, r.ref_rel_l2 = cosine_rel_l2(stored[:, j], ref[:, j])
+            r.gap_cosine, r.gap_rel_l2 = cosine_rel_l2(ref[:, j], got[:, col[fed[j]]])
         ref_name = f"{reference.engine} {reference.engine_version or '?'} {reference.dtype}, unquantized"
     rep = OffsetReport(engine.name, engine.version, family, len(samples), int(stored.shape[0]), min_cosine, reports,
                        max_rel_l2, getattr(engine, "quantization", None), getattr(engine, "dtype", None), ref_name,
