@@ -14,7 +14,7 @@ Memory on the training device, beyond offline training (which instead reads ``(L
 the shards, through host memory):
   - the target's weights in engine_dtype (its lm_head included, unused): SmolLM2-135M fp32 0.54 GB; an 8B
     target in bf16 ~16 GB;
-  - one no-grad forward over a row (≤ ``train.batch_tokens`` tokens, sequences padded to the longest of their
+  - one no-grad forward over a row (≤ 2 · ``train.batch_tokens`` padded tokens, sequences padded to the longest of their
     batch): the activations of one decoder layer at a time plus the hooked states, i.e. about
     ``batch_tokens · ((L+1)·H · 4 + (H + 2·intermediate + n_heads·T_max) · bytes)``; at SmolLM2 shapes and
     2,048 tokens that is ~20 MB of captured fp32 states (4 × 576 × 4 bytes a token) and a few tens of MB of
@@ -38,11 +38,13 @@ log = logging.getLogger(__name__)
 class OnlineCapture:
     """``capture(input_ids_list)`` → per sample (aux (T, L, H), last (T, H)) in the store dtype, on ``device``.
 
+    token_budget: padded tokens per target forward (:meth:`HFEngine.capture`); None: 16 samples a forward.
+
     Built from a tokens store's manifest (store, dtype, engine_dtype, capture_ids, target shape); raises
     FeatureStoreError for a features store or a target whose shape differs from the manifest's.
     """
 
-    def __init__(self, target_dir: str | Path, manifest: dict, device: torch.device, batch_size: int = 16):
+    def __init__(self, target_dir: str | Path, manifest: dict, device: torch.device, token_budget: int | None = None):
         from .engines.hf import HFEngine
 
         if manifest.get("store") != "tokens":
@@ -51,7 +53,8 @@ class OnlineCapture:
                 f"{manifest.get('store', 'features')!r}: its features are read from the shards")
         self.ids = list(manifest["capture_ids"])
         self.dtype = manifest["dtype"]
-        self.engine = HFEngine(target_dir, dtype=manifest["engine_dtype"], device=str(device), batch_size=batch_size)
+        self.token_budget = token_budget  # padded tokens a forward (train: 2 × batch_tokens, one forward a row)
+        self.engine = HFEngine(target_dir, dtype=manifest["engine_dtype"], device=str(device))
         want = manifest["target"]
         got = self.engine.info
         if (got.n_layers, got.hidden_size) != (want["n_layers"], want["hidden_size"]):
@@ -62,7 +65,8 @@ class OnlineCapture:
                  manifest["engine_dtype"], self.ids, self.dtype)
 
     def __call__(self, input_ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        caps = self.engine.capture([t.tolist() for t in input_ids], self.ids, on_device=True)  # (T, L+1, H) each
+        caps = self.engine.capture([t.tolist() for t in input_ids], self.ids, on_device=True,
+                                   token_budget=self.token_budget)  # (T, L+1, H) each
         return [store_capture(h, self.dtype) for h in caps]
 
     def close(self) -> None:

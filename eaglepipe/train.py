@@ -66,7 +66,7 @@ from .online import OnlineCapture
 from .params import TrainParams
 from .target_config import read_target_config
 from .target_head import load_target_head, soft_targets
-from .ttt import Batch, TTTResult, TTTUnroll, compile_draft, tau_sim
+from .ttt import Batch, TTTResult, TTTUnroll, compile_draft, pad_batch, padded_length, tau_sim
 from .vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 
 log = logging.getLogger(__name__)
@@ -281,14 +281,18 @@ class BatchStream:
 
 
 @torch.no_grad()
-def top1_in_vocab(head, features_dir: Path, refs: list[SampleRef], t2d: torch.Tensor,
+def top1_in_vocab(head, features_dir: Path, refs: list[SampleRef], t2d: torch.Tensor, max_tokens: int,
                   capture: OnlineCapture | None = None) -> dict[str, torch.Tensor]:
-    """sample id → (T,) bool: the target's full-vocabulary top-1 is in the draft vocabulary (one streamed pass,
-    reused every epoch; 1 byte a token; online, one target forward per sample). Raises like :class:`BatchStream`."""
+    """sample id → (T,) bool: the target's full-vocabulary top-1 is in the draft vocabulary (one streamed pass
+    over rows of ≤ ``max_tokens`` tokens, reused every epoch; 1 byte a token; online, one target forward a row,
+    not one a sample). Raises like :class:`BatchStream`."""
     dev = head.lm_head.device
     out = {}
-    for (ref,), b in BatchStream(features_dir, [[r] for r in refs], capture=capture):
-        out[ref.id] = soft_targets(head, b.last.to(dev), t2d).top_in_vocab[0].cpu()
+    rows = pack([r.n_tokens for r in refs], list(range(len(refs))), max_tokens)
+    for row, b in BatchStream(features_dir, [[refs[i] for i in r] for r in rows], capture=capture):
+        top = soft_targets(head, b.last.to(dev), t2d).top_in_vocab[0].cpu()  # (T,) over the row's samples
+        for ref, t in zip(row, top.split(torch.bincount(b.doc[0].cpu(), minlength=len(row)).tolist())):
+            out[ref.id] = t
     return out
 
 
@@ -442,6 +446,8 @@ class Run:
     def forward(self, b: Batch, module=None) -> TTTResult:
         """Soft targets and the TTT unroll of one batch (``module``: default the DDP-wrapped model)."""
         b = b.to(self.device)
+        if self.p.fast and b.input_ids.is_cuda:  # one row shape: the compiled draft and flex compile once
+            b = pad_batch(b, padded_length(self.p.batch_tokens))
         # train.teacher_precision applies to training steps; evaluation (module given) keeps the fp32 teacher
         precision = self.p.teacher_precision if module is None else "fp32"
         soft = soft_targets(self.head, b.last, self.draft.t2d, b.top_in_vocab, precision=precision)
@@ -495,8 +501,8 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
         draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
     draft.to(device)
     head = head.to(device)
-    capture = OnlineCapture(target_dir, fs.manifest, device) if fs.store == "tokens" else None
-    inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d, capture)
+    capture = OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens) if fs.store == "tokens" else None
+    inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d, p.batch_tokens, capture)
     head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied
     draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)
     unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay, fast=p.fast).to(device)

@@ -342,6 +342,33 @@ def pad_to(x: torch.Tensor, T: int, fill) -> torch.Tensor:
     return x if x.shape[1] == T else torch.cat([x, x.new_full((x.shape[0], T - x.shape[1], *x.shape[2:]), fill)], 1)
 
 
+PAD_DOC = 1 << 30  # ``doc`` of the padding :func:`pad_batch` appends: no real sample's index, never counted
+
+
+def padded_length(max_tokens: int) -> int:
+    """The one row length of the fast path on CUDA: ``train.batch_tokens`` rounded up to BLOCK."""
+    return -(-max_tokens // BLOCK) * BLOCK
+
+
+def pad_batch(batch: Batch, T: int) -> Batch:
+    """``batch`` (B, t) → (B, T) with a padding sample appended (doc PAD_DOC, loss_mask False, zero ids,
+    positions and features; top_in_vocab False), so every row of a run has one shape and torch.compile and
+    flex_attention compile once (H200, 2026-12-01: rows of varying length recompiled the draft layer past
+    dynamo's recompile limit of 8, after which it ran eager, flex_attention unfused). The padding is never
+    counted: no position of it has loss_mask, and no real position's successor lies in it (doc differs).
+    Raises ValueError when t > T."""
+    t = batch.input_ids.shape[1]
+    if t > T:
+        raise ValueError(f"pad_batch: row of {t} tokens is longer than {T}")
+    if t == T:
+        return batch
+    return Batch(
+        input_ids=pad_to(batch.input_ids, T, 0), positions=pad_to(batch.positions, T, 0),
+        doc=pad_to(batch.doc, T, PAD_DOC), loss_mask=pad_to(batch.loss_mask, T, False),
+        aux=pad_to(batch.aux, T, 0.0), last=pad_to(batch.last, T, 0.0),
+        top_in_vocab=None if batch.top_in_vocab is None else pad_to(batch.top_in_vocab, T, False))
+
+
 def ttt_unroll_fast(
     draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float
 ) -> TTTResult:
@@ -389,6 +416,9 @@ def compile_draft(draft: Eagle3Draft, whole_layer: bool = True) -> None:
     MLP. A no-op off CUDA. (H200, SmolLM2 shapes, 16k tokens: the whole layer was the faster of the two.)"""
     if not torch.cuda.is_available():
         return
+    # Rows have one shape (pad_batch), so the graphs are few: one per TTT step (its key length) and grad mode.
+    # Dynamo's default limit of 8 would send TTT 7's later steps to eager, flex_attention unfused.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     parts = [draft.midlayer, draft.norm] if whole_layer else [
         draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm,
         draft.midlayer.mlp, draft.norm]

@@ -115,6 +115,23 @@ def test_online_features_equal_the_stored_ones(stores, peaked_target):
     assert equal >= 0.999 * total, f"{total - equal} of {total} elements differ"
 
 
+def test_capture_batched_by_a_token_budget_equals_one_sample_a_forward(stores, peaked_target):
+    """The online capture's batches of ≤ token_budget padded tokens (one forward a row): each sample's states
+    as when it runs alone (fp32, to rounding), and the batches respect the budget."""
+    from eaglepipe.engines.hf import _batches
+
+    assert _batches([2, 0, 1], [5, 7, 3], 16, 14) == [[2, 0], [1]]  # lengths 3, 5 → 2 × 5 ≤ 14; then 7 alone
+    assert _batches([2, 0, 1], [5, 7, 3], 2, None) == [[2, 0], [1]]
+    assert _batches([0], [30], 16, 10) == [[0]]  # longer than the budget: alone
+    ft = FeatureSet(stores["tokens"])
+    seqs = [ft.tokens(r)[0].tolist() for r in ft.refs[:6]]
+    eng = OnlineCapture(peaked_target, ft.manifest, torch.device("cpu")).engine
+    ids = [2, 4]
+    alone = [eng.capture([s], ids)[0] for s in seqs]
+    for got, want in zip(eng.capture(seqs, ids, token_budget=4 * max(map(len, seqs))), alone):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32: other padding, other matmul shapes
+
+
 def test_online_training_gives_the_offline_curve(stores, peaked_target, tmp_path):
     p = _params()
     off = train_drafter(stores["features"], peaked_target, tmp_path / "off", p, scratch_dir=tmp_path / "s_off")

@@ -232,6 +232,36 @@ def test_fast_path_equals_the_plain_path(draft, steps):
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-4, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_padding_a_row_to_one_length_changes_nothing(draft, fast):
+    """pad_batch (the fast path's one row shape on CUDA): same loss, counts and gradients as the unpadded row."""
+    from eaglepipe.ttt import PAD_DOC, pad_batch, padded_length
+
+    embed = torch.randn(99, 32)
+    b, soft = _packed_case()
+    pb = pad_batch(b, 64)
+    assert pb.input_ids.shape == (1, 64) and pb.doc[0, 37:].eq(PAD_DOC).all() and not pb.loss_mask[0, 37:].any()
+    assert pad_batch(b, 37) is b and padded_length(16384) == 16384 and padded_length(1000) == 1024
+    with pytest.raises(ValueError, match="longer than 36"):
+        pad_batch(b, 36)
+    psoft = SoftTargets(p=torch.cat([soft.p, torch.full((1, 27, 8), 1 / 8)], 1),
+                        top=torch.cat([soft.top, torch.zeros(1, 27, dtype=torch.long)], 1),
+                        top_in_vocab=torch.cat([soft.top_in_vocab, torch.zeros(1, 27, dtype=torch.bool)], 1))
+    results, grads = [], []
+    for batch, st in ((b, soft), (pb, psoft)):
+        draft.zero_grad(set_to_none=True)
+        r = ttt_unroll(draft, embed, batch, st, steps=3, decay=0.8, fast=fast)
+        r.loss.backward()
+        results.append(r)
+        grads.append({k: v.grad.clone() for k, v in draft.named_parameters()})
+    plain, padded = results
+    torch.testing.assert_close(padded.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    for f in ("correct", "counted", "trained"):
+        assert getattr(padded, f).tolist() == getattr(plain, f).tolist(), f
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
 def test_soft_ce_chunks_equal_one_product():
     from eaglepipe.ttt import soft_ce
 

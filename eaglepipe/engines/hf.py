@@ -51,6 +51,18 @@ def boundary_hooks(layers, ids: list[int]):
             h.remove()
 
 
+def _batches(order: list[int], lengths: list[int], size: int, token_budget: int | None) -> list[list[int]]:
+    """``order`` (indices, shortest first) cut into batches of ``size``, or of ≤ ``token_budget`` padded tokens."""
+    if token_budget is None:
+        return [order[b : b + size] for b in range(0, len(order), size)]
+    out: list[list[int]] = [[]]
+    for i in order:  # ascending, so the newest is the longest: padded tokens = count × lengths[i]
+        if out[-1] and (len(out[-1]) + 1) * lengths[i] > token_budget:
+            out.append([])
+        out[-1].append(i)
+    return [b for b in out if b]
+
+
 class HFEngine(Engine):
     """transformers ``AutoModelForCausalLM`` on CPU or CUDA (chosen automatically)."""
 
@@ -75,11 +87,14 @@ class HFEngine(Engine):
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
     @torch.inference_mode()
-    def capture(self, sequences: list[list[int]], ids: list[int], on_device: bool = False) -> list[torch.Tensor]:
+    def capture(self, sequences: list[list[int]], ids: list[int], on_device: bool = False,
+                token_budget: int | None = None) -> list[torch.Tensor]:
         """h[k] for k in ``ids`` (boundary indices), per sequence float32 (T, len(ids), H).
 
-        Sequences are batched right-padded; causal attention makes the real tokens' states independent of
-        the padding. Runs the base model only (no lm_head). Raises ValueError for ids outside [0, N].
+        Sequences are batched right-padded, shortest first; causal attention makes the real tokens' states
+        independent of the padding. A batch holds ``batch_size`` sequences, or with ``token_budget`` as many as
+        fit in that many padded tokens (batch × its longest; a longer sequence runs alone). Runs the base model
+        only (no lm_head). Raises ValueError for ids outside [0, N].
         on_device: keep the results on the model's device (online training, eaglepipe/online.py), not the CPU;
         they are inference tensors either way (copy or cat them before autograd saves them).
         """
@@ -88,8 +103,7 @@ class HFEngine(Engine):
             raise ValueError(f"hf capture: ids {bad} outside [0, {self.n_layers}]")
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a batch
         out: list[torch.Tensor | None] = [None] * len(sequences)
-        for b in range(0, len(order), self.batch_size):
-            idx = order[b : b + self.batch_size]
+        for idx in _batches(order, [len(s) for s in sequences], self.batch_size, token_budget):
             for i, t in zip(idx, self._capture_batch([sequences[i] for i in idx], ids, on_device)):
                 out[i] = t
         return out

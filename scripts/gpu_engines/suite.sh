@@ -9,7 +9,7 @@
 #   suite.sh extract    item 3: extract through hf and vLLM (tokens/s)
 #   suite.sh validate   item 3: validate_offsets' check through vLLM and SGLang on the vLLM features
 #   suite.sh online     issue 11 item 4: training tokens/s online (target in the loop) vs offline, SmolLM2 shapes,
-#                       fp32 and bf16 target (benchmarks/online_train.py; the target from `setup`'s prep,
+#                       target in ONLINE_DTYPES (default bfloat16, the GPU profile's; benchmarks/online_train.py; from setup's prep,
 #                       else made from the carried GGUF); writes $OUT/online_train.json (→ benchmarks/h200/)
 #   suite.sh numerics base|serve|fix|serve-fix   issue 16 (benchmarks/numerics.py), one part per device call,
 #                       after setup: base = hf fp32 features → draft, the gate through vLLM bf16 unquantized and
@@ -74,7 +74,7 @@ case ${1:-} in
     (venv vllm; timeout 560 python3 benchmarks/online_train.py --target /tmp/w/target \
        --gguf /tmp/eng/inputs/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/online --out "$OUT/online_train.json" \
        --samples ${NONLINE:-512} --min-len 256 --max-len 1024 --batch-tokens 16384 --fast \
-       --engine-dtype float32 bfloat16 > "$OUT/online_train.log" 2>&1; grep "tok/s\|RESULT\|Error" "$OUT/online_train.log" | cut -c1-600) ;;
+       --engine-dtype ${ONLINE_DTYPES:-bfloat16} > "$OUT/online_train.log" 2>&1; grep "tok/s\|RESULT\|Error" "$OUT/online_train.log" | cut -c1-600) ;;
   numerics)  # issue 16; $2 = base | serve | fix | serve-fix (each bounded, so what ran comes back)
     E=${NUMENGINE:-vllm}; part=${2:-}; [ "$part" = serve ] && part=serve-base
     case $part in base|serve-base|fix|serve-fix) ;; *) echo "numerics needs base, serve, fix or serve-fix"; exit 2 ;; esac
