@@ -319,7 +319,7 @@ def merge(a) -> None:
     load = lambda n: json.loads((src / n).read_text()) if (src / n).exists() else None  # noqa: E731
     notes = load("notes.json") or {}
     out = {"produced_by": "scripts/gpu_engines/suite.sh + python benchmarks/h200_engines.py merge", "k": K,
-           **{k: v for k, v in notes.items() if k not in ("not_run", "extract", "validate", "seeds")}}
+           **{k: v for k, v in notes.items() if k not in ("not_run", "extract", "validate", "seeds", "seeds_notes")}}
     refs = [r for r in (load("reference.json"), load("reference_cpu.json")) if r]
     greedy = {i: o for r in refs for i, o in zip(r["prompt_ids"], r.get("outputs_greedy", []))}
     for name, f in (("vllm", "serve_vllm.json"), ("sglang", "serve_sglang.json"), ("reference", "reference.json"),
@@ -340,7 +340,8 @@ def merge(a) -> None:
             seeds_s[case]["verdict_now"] = "mismatch" if min(best) < floor else seeds_s[case]["compact"]["verdict"]
         cross = {e: load(f"crosscheck_{e}.json") for e in ("vllm", "sglang") if load(f"crosscheck_{e}.json")}
         (dst / "offsets_sglang_deepseek.json").write_text(json.dumps({"target": seeds_v, **seeds_s,
-                                                                      "crosscheck_against_hf": cross or None},
+                                                                      "crosscheck_against_hf": cross or None,
+                                                                      "notes": notes.get("seeds_notes")},
                                                                      indent=2) + "\n")
     ex = {e: load(f"extract_{e}.json") or {"not_run": notes.get("extract", {}).get(e)} for e in ("hf", "vllm")}
     val = {e: load(f"validate_{e}.json") or {"not_run": notes.get("validate", {}).get(e)} for e in ("vllm", "sglang")}
