@@ -9,7 +9,7 @@ No DVC: both stores are written here, with eaglepipe's own writer and capture (r
 seeded lengths, loss on their second half), then :func:`eaglepipe.train.train_drafter` runs one epoch on each
 with the same params. ``tokens_per_s`` is train_drafter's own figure (token positions / seconds of the epoch
 loop: reading or computing features, forward, backward, optimizer; set-up and evaluation excluded);
-``wall_s`` is the whole call (online set-up includes one target forward per sample for the top-1 mask).
+``wall_s`` is the whole call (online set-up includes one target forward a packed row for the top-1 mask).
 ``peak_gib``: torch.cuda.max_memory_allocated over the call on CUDA; ``peak_rss_mib`` the process's peak RSS
 (ru_maxrss, monotone, so only the first row is that row's own). ``online_vs_offline`` = online / offline
 tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
