@@ -4,11 +4,11 @@
 # working trees), with OUT=/tmp/res; `suite.sh collect` returns what it wrote. The steps are suite.sh's own,
 # each bounded by its timeout; $OUT/steps.txt gets a line per step (exit code, seconds); $OUT/DONE marks the end.
 # The plan: the steps of $PLAN, one after the other (the third window's lesson: two online trainings and an
-# engine at once split the GPU, and the full draft's training did not finish). Default: issue 12 item 5
-# (the seeds' case on today's top-2 tiny target, then the MoE variants that pin SGLang 0.5.17's departure),
-# then issue 13's draft: regenerate (vLLM) + gate; online training + export; serve_eval (reference + vLLM
-# k=3, batch 1 and 8, CUDA graphs); SGLang serving; vLLM at k=5 and on HumanEval. Together they need more
-# than one 30-minute window: what did not finish is simply missing from `collect`'s res.tgz.
+# engine at once split the GPU, and the full draft's training did not finish). Default (what the fourth
+# window left): issue 13's draft again (the machine keeps nothing): regenerate (vLLM) + gate; online training +
+# export; SGLang serving of it; vLLM at k=5 and on HumanEval; serve_eval (reference + vLLM k=3, batch 1 and 8,
+# CUDA graphs); then issue 12's MoE variants. Together they need more than one 30-minute window: what did
+# not finish is simply missing from `collect`'s res.tgz.
 set -u
 S="bash $REPO_ROOT/scripts/gpu_engines/suite.sh"
 export OUT=${OUT:?suite.sh pipeline sets it} REPO_ROOT=${REPO_ROOT:?suite.sh pipeline sets it}
@@ -18,5 +18,5 @@ step() {  # step ARGS...: one suite.sh step, a line in $OUT/steps.txt
   local t0=$SECONDS; $S "$@"; echo "$* rc=$? ${SECONDS}s-since-start $((SECONDS - t0))s" >> "$OUT/steps.txt"
 }
 echo "start $(date -u +%FT%TZ)" > "$OUT/steps.txt"
-for s in ${PLAN:-seeds sglang-moe draft-data draft-train draft-serve draft-sglang draft-extra}; do step "$s"; done
+for s in ${PLAN:-draft-data draft-train draft-sglang draft-extra draft-serve sglang-moe}; do step "$s"; done
 date -u +%FT%TZ > "$OUT/DONE"
