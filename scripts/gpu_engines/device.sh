@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ON THE DEVICE (the H200), from the repo root. Parts survive in /tmp/eng while the machine stays warm (~30 s).
 #   device.sh stash .gpu/carry/NN     copy this call's part(s) to /tmp/eng and check their sha256
-#   device.sh install vllm|sglang|inputs|data   concatenate the stage's parts, check the whole sha256, install
+#   device.sh install vllm|sglang|inputs|data|drafter   concatenate the stage's parts, check the whole sha256, install
 #                                     (inputs: unpacked to /tmp/eng/inputs for benchmarks/h200_engines.py)
 #   source <(device.sh env vllm|sglang)   PYTHONPATH + engine env for the checks
 set -euo pipefail
@@ -13,12 +13,13 @@ case ${1:-} in
     ls -l $E ;;
   install)
     s=$2; site=/tmp/site; [ "$s" = sglang ] && site=/tmp/site-sgl; [ "$s" = inputs ] && site=$E/inputs
-    [ "$s" = data ] && site=$E/data
+    [ "$s" = data ] && site=$E/data; [ "$s" = drafter ] && site=$E/drafter
     ls $E/$s.tar.part* >/dev/null   # fails loudly when the machine went cold and /tmp/eng was lost
     cat $E/$s.tar.part* > $E/$s.tar
     (cd $E && grep "  $s.tar\$" MANIFEST.sha256 | sha256sum -c -)
     rm -f $E/$s.tar.part*
     rm -rf $E/$s; mkdir -p $E/$s $site; tar -xf $E/$s.tar -C $E/$s; rm -f $E/$s.tar
+    if [ "$s" = drafter ]; then echo "drafter in $site/drafter: $(ls $site/drafter)"; exit 0; fi
     if [ "$s" = inputs ] || [ "$s" = data ]; then echo "$s in $site: $(ls $site)"; exit 0; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $E/$s/wheels/*.whl
     for t in $E/$s/*-tree.tar.xz; do tar -xJf "$t" -C $site; done   # pruned wheel trees = site-packages layout

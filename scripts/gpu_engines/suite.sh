@@ -23,6 +23,9 @@
 #                       profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate (vLLM) +
 #                       gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); SGLang
 #                       serving of that export; vLLM at k=5 and on HumanEval; the scaling curve's subsets
+#   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
+#                       parts to $OUT (one call), and, in a later window, the carried parts back to data/drafter
+#                       + the stages up to export (HERE between them: scripts/gpu_engines/keep_drafter.sh FILES_AT)
 #   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
 #   suite.sh pipeline   the steps of $PLAN (pipeline.sh: its default and why) one after the other, in one
 #                       background run in a copy of the repo; then
@@ -47,6 +50,7 @@ case ${1:-} in
     set -e
     $d install vllm; $d install sglang; $d install inputs
     if ls /tmp/eng/data.tar.part* > /dev/null 2>&1; then $d install data; fi   # the GPU profile's sources (gpu_run.sh)
+    if ls /tmp/eng/drafter.tar.part* > /dev/null 2>&1; then $d install drafter; fi   # a kept draft (draft-restore)
     (venv vllm; python3 -c "import sys; sys.path.insert(0, 'scripts/gpu_engines'); import check; check.build_model()")
     if [ "${CHECKS:-1}" = 1 ]; then  # CHECKS=0 saves ~2 min once the serve steps are known to work
       (venv vllm; python3 scripts/gpu_engines/check.py vllm > "$OUT/check_vllm.log" 2>&1) &
@@ -116,6 +120,18 @@ case ${1:-} in
        timeout 500 $D --prompts 164 --source humaneval --tag _draft_humaneval serve vllm > "$OUT/draft_humaneval.log" 2>&1
        grep -h "RESULT\|Error" "$OUT"/draft_k5.log "$OUT"/draft_humaneval.log | cut -c1-600)
     fi ;;
+  draft-keep)  # issue 13: data/drafter as ≤ 15 MiB parts in /tmp/keep (the machine keeps nothing once given back);
+    # `suite.sh keep` copies them to $OUT in a call of their own, HERE `keep_drafter.sh FILES_AT` makes them carry
+    # c08, and a later window's `setup` + `draft-restore` serve that draft without draft-data and draft-train
+    rm -rf /tmp/keep; mkdir -p /tmp/keep; tar -cf /tmp/keep/drafter.tar -C data drafter || exit 1
+    (cd /tmp/keep && sha256sum drafter.tar > drafter.sha256 && split -b 15M -d drafter.tar drafter.tar.part &&
+     rm drafter.tar && ls -l) ;;
+  keep) cp /tmp/keep/* "$OUT/" && ls -l "$OUT" ;;
+  draft-restore)  # the carried draft (c08, installed by setup) back in data/drafter; then the stages up to export
+    [ -d /tmp/eng/drafter/drafter ] || { echo "no carried drafter in /tmp/eng/drafter (stash c08 before setup)"; exit 1; }
+    rm -rf data/drafter; mkdir -p data; cp -r /tmp/eng/drafter/drafter data/drafter
+    timeout 300 bash scripts/gpu_run.sh check_params target prompts export > "$OUT/draft_restore.log" 2>&1; rc=$?
+    grep "^=== \|Error" "$OUT/draft_restore.log" | cut -c1-400; exit $rc ;;
   sglang-moe)  # issue 12 item 5: which part of SGLang 0.5.17's DeepSeek path departs (benchmarks/sglang_moe_variants.py)
     (venv sglang; timeout 330 python3 benchmarks/sglang_moe_variants.py --out "$OUT" --work /tmp/w/moe --budget 270 \
        > "$OUT/sglang_moe.log" 2>&1; grep "RESULT\|Error" "$OUT/sglang_moe.log" | cut -c1-500) ;;
