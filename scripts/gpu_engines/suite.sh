@@ -23,6 +23,7 @@
 #                       profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate (vLLM) +
 #                       gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); SGLang
 #                       serving of that export; vLLM at k=5 and on HumanEval; the scaling curve's subsets
+#   suite.sh gpu-tests  tests/test_gpu.py with vLLM's environment, then its SGLang test with SGLang's
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (one call), and, in a later window, the carried parts back to data/drafter
 #                       + the stages up to export (HERE between them: scripts/gpu_engines/keep_drafter.sh FILES_AT)
@@ -120,6 +121,11 @@ case ${1:-} in
        timeout 500 $D --prompts 164 --source humaneval --tag _draft_humaneval serve vllm > "$OUT/draft_humaneval.log" 2>&1
        grep -h "RESULT\|Error" "$OUT"/draft_k5.log "$OUT"/draft_humaneval.log | cut -c1-600)
     fi ;;
+  gpu-tests)  # tests/test_gpu.py under each engine's environment (skipped on CI's CPU machine)
+    (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py > "$OUT/gpu_tests_vllm.log" 2>&1; tail -4 "$OUT/gpu_tests_vllm.log")
+    (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
+     timeout 300 python3 -m pytest -q -ra tests/test_gpu.py -k sglang > "$OUT/gpu_tests_sglang.log" 2>&1
+     tail -4 "$OUT/gpu_tests_sglang.log") ;;
   draft-keep)  # issue 13: data/drafter as ≤ 15 MiB parts in /tmp/keep (the machine keeps nothing once given back);
     # `suite.sh keep` copies them to $OUT in a call of their own, HERE `keep_drafter.sh FILES_AT` makes them carry
     # c08, and a later window's `setup` + `draft-restore` serve that draft without draft-data and draft-train
