@@ -111,9 +111,12 @@ case ${1:-} in
     ln -sfn "$PWD/data/prompts" /tmp/w13in/prompts
     D="python3 benchmarks/h200_engines.py --work $w --inputs /tmp/w13in --out $OUT --max-new 128"
     if [ "$1" = draft-sglang ]; then
-      (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false}'  # (0.5.17 has no cuda_graph_max_bs)
+      (venv sglang; base=$PYTHONPATH  # CUDA graphs: the deep_gemm stand-in + JIT DeepGEMM off (its docstring says why)
+       PYTHONPATH="$PWD/scripts/gpu_engines/shims_cudagraph:$base" SGLANG_ENABLE_JIT_DEEPGEMM=0 \
+       EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false, "mem_fraction_static": 0.3}' \
        timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang.log" 2>&1 ||
-       { export EAGLEPIPE_SGLANG_ARGS='{}'; timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang_eager.log" 2>&1; }
+       { export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
+         timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang_eager.log" 2>&1; }
        grep -h "RESULT\|Error" "$OUT"/draft_sglang*.log | cut -c1-600)
     else
       (venv vllm; export EAGLEPIPE_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}'
