@@ -124,8 +124,8 @@ case ${1:-} in
        timeout 500 $D --prompts 164 --source humaneval --tag _draft_humaneval serve vllm > "$OUT/draft_humaneval.log" 2>&1
        grep -h "RESULT\|Error" "$OUT"/draft_k5.log "$OUT"/draft_humaneval.log | cut -c1-600)
     fi ;;
-  gpu-tests)  # tests/test_gpu.py under each engine's environment (skipped on CI's CPU machine)
-    (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py > "$OUT/gpu_tests_vllm.log" 2>&1; tail -4 "$OUT/gpu_tests_vllm.log")
+  gpu-tests)  # tests/test_gpu.py (+ test_ttt.py: its CUDA cases) under each engine's environment (CI skips them)
+    (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py > "$OUT/gpu_tests_vllm.log" 2>&1; tail -4 "$OUT/gpu_tests_vllm.log")
     (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
      timeout 300 python3 -m pytest -q -ra tests/test_gpu.py -k sglang > "$OUT/gpu_tests_sglang.log" 2>&1
      tail -4 "$OUT/gpu_tests_sglang.log") ;;
