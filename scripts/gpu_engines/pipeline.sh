@@ -5,10 +5,12 @@
 # each bounded by its timeout; $OUT/steps.txt gets a line per step (exit code, seconds); $OUT/DONE marks the end.
 # The plan: the steps of $PLAN, one after the other (the third window's lesson: two online trainings and an
 # engine at once split the GPU, and the full draft's training did not finish). Default (what the fourth
-# window left): tests/test_gpu.py; online vs offline with the capture alone timed; issue 13's draft again (the machine keeps nothing): regenerate (vLLM) + gate; online training +
-# export; its data/drafter split into parts for `suite.sh keep` to bring back (draft-keep); SGLang serving of it; vLLM at k=5 and on HumanEval; serve_eval (reference + vLLM k=3, batch 1 and 8,
-# CUDA graphs); then issue 12's MoE variants. Together they need more than one 30-minute window: what did
-# not finish is simply missing from `collect`'s res.tgz.
+# window left): tests/test_gpu.py; online vs offline with the capture alone timed; issue 13's draft again
+# (the machine keeps nothing): regenerate (vLLM) + gate; online training + export; its data/drafter split
+# into parts for `suite.sh keep` to bring back (draft-keep); SGLang serving of it; vLLM at k=5 and on
+# HumanEval; serve_eval (reference + vLLM k=3, batch 1 and 8, CUDA graphs); then issue 12's MoE variants.
+# Together they need more than one 30-minute window: what did not finish is simply missing from `collect`'s
+# res.tgz.
 set -u
 S="bash $REPO_ROOT/scripts/gpu_engines/suite.sh"
 export OUT=${OUT:?suite.sh pipeline sets it} REPO_ROOT=${REPO_ROOT:?suite.sh pipeline sets it}
