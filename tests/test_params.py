@@ -25,10 +25,9 @@ def test_repo_params_are_valid():
 
 def test_gpu_profile_merges_into_valid_params():
     """profiles/gpu.yaml over params.yaml (as scripts/gpu_run.sh merges it): valid, and what issue 13 runs."""
-    raw, gpu = defaults(), yaml.safe_load((REPO / "profiles" / "gpu.yaml").read_text())
-    for k, v in gpu.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
-    p = parse_params(raw)
+    from scripts.run_stages import merge_profile
+
+    p = parse_params(merge_profile(defaults(), yaml.safe_load((REPO / "profiles" / "gpu.yaml").read_text())))
     assert (p.framework, p.extract.regenerate_engine, p.extract.store, p.extract.engine) == ("vllm", "vllm", "tokens", "hf")
     assert p.prompts.max_records == 0 and p.serve.prompts == 80 and p.serve.batch_sizes == [1, 8]
 

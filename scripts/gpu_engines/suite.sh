@@ -23,7 +23,7 @@
 #                       profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate (vLLM) +
 #                       gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); SGLang
 #                       serving of that export; vLLM at k=5 and on HumanEval; the scaling curve's subsets
-#   suite.sh gpu-tests  tests/test_gpu.py with vLLM's environment, then its SGLang test with SGLang's
+#   suite.sh gpu-tests  tests/test_gpu.py + test_ttt.py's CUDA cases with vLLM's environment, then the SGLang test
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (one call), and, in a later window, the carried parts back to data/drafter
 #                       + the stages up to export (HERE between them: scripts/gpu_engines/keep_drafter.sh FILES_AT)
@@ -111,8 +111,8 @@ case ${1:-} in
     ln -sfn "$PWD/data/prompts" /tmp/w13in/prompts
     D="python3 benchmarks/h200_engines.py --work $w --inputs /tmp/w13in --out $OUT --max-new 128"
     if [ "$1" = draft-sglang ]; then
-      (venv sglang; base=$PYTHONPATH  # CUDA graphs: the deep_gemm stand-in + JIT DeepGEMM off (its docstring says why)
-       PYTHONPATH="$PWD/scripts/gpu_engines/shims_cudagraph:$base" SGLANG_ENABLE_JIT_DEEPGEMM=0 \
+      (venv sglang  # CUDA graphs: the deep_gemm stand-in + JIT DeepGEMM off, for this command only (its docstring)
+       PYTHONPATH="$PWD/scripts/gpu_engines/shims_cudagraph:$PYTHONPATH" SGLANG_ENABLE_JIT_DEEPGEMM=0 \
        EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false, "mem_fraction_static": 0.3}' \
        timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang.log" 2>&1 ||
        { export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
