@@ -13,7 +13,8 @@ loop: reading or computing features, forward, backward, optimizer; set-up and ev
 ``peak_gib``: torch.cuda.max_memory_allocated over the call on CUDA; ``peak_rss_mib`` the process's peak RSS
 (ru_maxrss, monotone, so only the first row is that row's own). ``online_vs_offline`` = online / offline
 tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
-A ``capture_only`` row per engine dtype times the online capture alone over one epoch's rows (no training).
+``capture_only`` rows per engine dtype time the online capture alone over one epoch's rows (no training), the
+target eager and (with --fast on CUDA, as train_drafter then runs it) through torch.compile.
 """
 
 from __future__ import annotations
@@ -101,22 +102,26 @@ def run(store_dir: Path, target: Path, p: TrainParams, scratch: Path) -> dict:
             "store_bytes": sum(f.stat().st_size for f in store_dir.glob("shard-*"))}
 
 
-def capture_only(store_dir: Path, target: Path, p: TrainParams) -> dict:
+def capture_only(store_dir: Path, target: Path, p: TrainParams, compile: bool) -> dict:
     """The online capture alone (no training) over one epoch's packed rows, as train_drafter forms and feeds them
     (:class:`eaglepipe.online.OnlineCapture`, token budget 2 × batch_tokens): tokens/s with the device synced, so
-    its cost inside the loop (online step − offline step) can be told from the capture's own."""
+    its cost inside the loop (online step − offline step) can be told from the capture's own. ``compile``: the
+    target through torch.compile (what train.fast does on CUDA); two rows of warm-up (compilation) are untimed."""
     from eaglepipe.features import FeatureSet
     from eaglepipe.online import OnlineCapture
     from eaglepipe.train import epoch_rows
 
     fs = FeatureSet(store_dir)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cap = OnlineCapture(target, fs.manifest, dev, 2 * p.batch_tokens)
+    cap = OnlineCapture(target, fs.manifest, dev, 2 * p.batch_tokens, compile=compile)
     rows = [[fs.tokens(fs.refs[i])[0] for i in row]
             for row in epoch_rows([r.n_tokens for r in fs.refs], p.seed, 0, p.batch_tokens, p.packing)]
-    cap(rows[0])  # warm-up
+    t_warm = time.perf_counter()
+    for row in rows[:2]:  # warm-up (and compilation)
+        cap(row)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
+    warm = time.perf_counter() - t_warm
     t0 = time.perf_counter()
     for row in rows:
         cap(row)
@@ -125,7 +130,7 @@ def capture_only(store_dir: Path, target: Path, p: TrainParams) -> dict:
     cap.close()
     n = sum(len(t) for row in rows for t in row)
     return {"tokens_per_s": round(n / dt, 1), "seconds": round(dt, 3), "rows": len(rows), "tokens": n,
-            "ms_per_row": round(1000 * dt / len(rows), 2)}
+            "ms_per_row": round(1000 * dt / len(rows), 2), "warmup_s": round(warm, 2), "compiled": compile}
 
 
 def main() -> None:
@@ -171,9 +176,11 @@ def main() -> None:
                 rows.append({"mode": mode, "engine_dtype": engine_dtype, "repeat": rep, **r})
             print(f"{mode:8s} engine {engine_dtype:9s} {r['tokens_per_s']:>10.1f} tok/s  {r['steps']} steps  "
                   f"wall {r['wall_s']} s  peak {r['peak_gib']} GiB  store {r['store_bytes'] / 2**20:.1f} MiB", flush=True)
-        c = capture_only(stores["tokens"], target, p)
-        rows.append({"mode": "capture_only", "engine_dtype": engine_dtype, **c})
-        print(f"capture  engine {engine_dtype:9s} {c['tokens_per_s']:>10.1f} tok/s  {c['ms_per_row']} ms a row", flush=True)
+        for compiled in sorted({False, a.fast and torch.cuda.is_available()}):  # eager, and what --fast trains with
+            c = capture_only(stores["tokens"], target, p, compiled)
+            rows.append({"mode": "capture_only", "engine_dtype": engine_dtype, **c})
+            print(f"capture  engine {engine_dtype:9s} compiled {compiled!s:5s} {c['tokens_per_s']:>10.1f} tok/s  "
+                  f"{c['ms_per_row']} ms a row  warm-up {c['warmup_s']} s", flush=True)
     ratio = {}
     for engine_dtype in a.engine_dtype:
         by = {mode: max(r["tokens_per_s"] for r in rows if (r["engine_dtype"], r["mode"]) == (engine_dtype, mode))

@@ -39,12 +39,14 @@ class OnlineCapture:
     """``capture(input_ids_list)`` → per sample (aux (T, L, H), last (T, H)) in the store dtype, on ``device``.
 
     token_budget: padded tokens per target forward (:meth:`HFEngine.capture`); None: 16 samples a forward.
+    compile: the target's forward through torch.compile (``HFEngine(compile=True)``; train.fast on CUDA).
 
     Built from a tokens store's manifest (store, dtype, engine_dtype, capture_ids, target shape); raises
     FeatureStoreError for a features store or a target whose shape differs from the manifest's.
     """
 
-    def __init__(self, target_dir: str | Path, manifest: dict, device: torch.device, token_budget: int | None = None):
+    def __init__(self, target_dir: str | Path, manifest: dict, device: torch.device, token_budget: int | None = None,
+                 compile: bool = False):
         from .engines.hf import HFEngine
 
         if manifest.get("store") != "tokens":
@@ -54,15 +56,16 @@ class OnlineCapture:
         self.ids = list(manifest["capture_ids"])
         self.dtype = manifest["dtype"]
         self.token_budget = token_budget  # padded tokens a forward (train: 2 × batch_tokens, one forward a row)
-        self.engine = HFEngine(target_dir, dtype=manifest["engine_dtype"], device=str(device))
+        self.engine = HFEngine(target_dir, dtype=manifest["engine_dtype"], device=str(device),
+                               compile=compile)
         want = manifest["target"]
         got = self.engine.info
         if (got.n_layers, got.hidden_size) != (want["n_layers"], want["hidden_size"]):
             raise FeatureStoreError(
                 f"target {target_dir}: N {got.n_layers}, hidden {got.hidden_size}, but the tokens store was extracted "
                 f"from N {want['n_layers']}, hidden {want['hidden_size']}; re-run extract")
-        log.info("online capture: target %s on %s in %s, ids %s, cast to %s", target_dir, device,
-                 manifest["engine_dtype"], self.ids, self.dtype)
+        log.info("online capture: target %s on %s in %s%s, ids %s, cast to %s", target_dir, device,
+                 manifest["engine_dtype"], ", compiled" if compile else "", self.ids, self.dtype)
 
     def __call__(self, input_ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         caps = self.engine.capture([t.tolist() for t in input_ids], self.ids, on_device=True,

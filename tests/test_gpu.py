@@ -65,10 +65,12 @@ def test_online_capture_on_the_device_equals_the_cpu_capture(tiny_target):
 
     seqs = [[1, 5, 7, 9, 11, 13, 17], [1, 4, 4, 8], list(range(3, 60))]
     cpu = HFEngine(tiny_target, device="cpu").capture(seqs, [0, 2, 4])
-    gpu = HFEngine(tiny_target, device="cuda").capture(seqs, [0, 2, 4], on_device=True, token_budget=128)
-    for c, g in zip(cpu, gpu):
-        assert g.is_cuda
-        torch.testing.assert_close(g.cpu(), c, rtol=1e-4, atol=1e-4)  # fp32; CUDA matmuls, other padding
+    for compile in (False, True):  # eager, and compiled as train.fast runs the online target on CUDA
+        gpu = HFEngine(tiny_target, device="cuda", compile=compile).capture(seqs, [0, 2, 4], on_device=True,
+                                                                           token_budget=128)
+        for c, g in zip(cpu, gpu):
+            assert g.is_cuda
+            torch.testing.assert_close(g.cpu(), c, rtol=1e-4, atol=1e-4)  # fp32; CUDA matmuls, other padding
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

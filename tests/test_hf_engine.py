@@ -40,6 +40,18 @@ def test_capture_equals_manual_forward(engine, tiny_target):
                 torch.testing.assert_close(cap[:, j], ref[k], rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_capture_equals_eager(engine, tiny_target):
+    """HFEngine(compile=True) (online training's target under train.fast) gives eager's states: batches of
+    several lengths through one dynamic graph, and a batch of one (padded to two rows: dynamo specializes a size of 1)."""
+    torch._dynamo.reset()
+    comp = HFEngine(tiny_target, batch_size=2, compile=True)
+    seqs = [[5, 17, 33, 2, 90, 4, 61], [7, 8, 9], [11, 12, 13, 14, 15], list(range(20, 61))]
+    for batch in (seqs, seqs[3:], seqs[1:3]):
+        for got, want in zip(comp.capture(batch, [0, 2, 4]), engine.capture(batch, [0, 2, 4])):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_last_boundary_is_pre_norm(engine, tiny_target):
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     seq = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -69,7 +69,7 @@ class HFEngine(Engine):
     name = "hf"
 
     def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
-                 info=None, quantization: str | None = None, **_):
+                 info=None, quantization: str | None = None, compile: bool = False, **_):
         super().__init__(target_dir, dtype, info)
         if quantization is not None:  # params refuse it first (eaglepipe/quantization.py); a direct caller here
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
@@ -82,6 +82,10 @@ class HFEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
+        # compile: capture's forward through torch.compile (inductor, dynamic batch and length; the boundary
+        # hooks are traced with it): online training on CUDA (train.fast), where eager's per-op launches and
+        # unfused norms/RoPE/SiLU dominate a small target's forward (benchmarks/online_train.py)
+        self._base = torch.compile(self.model.model, dynamic=True) if compile else self.model.model
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -91,8 +95,9 @@ class HFEngine(Engine):
                 token_budget: int | None = None) -> list[torch.Tensor]:
         """h[k] for k in ``ids`` (boundary indices), per sequence float32 (T, len(ids), H).
 
-        Sequences are batched right-padded, shortest first; causal attention makes the real tokens' states
-        independent of the padding. A batch holds ``batch_size`` sequences, or with ``token_budget`` as many as
+        Sequences are batched right-padded, shortest first, and run with no attention mask: causal attention
+        already keeps a real token from the padding after it, and without a mask transformers' SDPA path runs
+        ``is_causal`` (the flash kernel on CUDA) instead of a materialized (B, 1, T, T) mask. A batch holds ``batch_size`` sequences, or with ``token_budget`` as many as
         fit in that many padded tokens (batch × its longest; a longer sequence runs alone). Runs the base model
         only (no lm_head). Raises ValueError for ids outside [0, N].
         on_device: keep the results on the model's device (online training, eaglepipe/online.py), not the CPU;
@@ -110,13 +115,12 @@ class HFEngine(Engine):
 
     def _capture_batch(self, seqs: list[list[int]], ids: list[int], on_device: bool = False) -> list[torch.Tensor]:
         T = max(len(s) for s in seqs)
-        input_ids = torch.zeros(len(seqs), T, dtype=torch.long)  # (B, T)
-        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        rows = len(seqs) + (len(seqs) == 1 and self._base is not self.model.model)  # compiled: B ≥ 2, or dynamo
+        input_ids = torch.zeros(rows, T, dtype=torch.long)  # (B, T), right-padded with id 0; recompiles for B = 1
         for i, s in enumerate(seqs):
             input_ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-        with boundary_hooks(self.layers, ids) as got:
-            self.model.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        with boundary_hooks(self.layers, ids) as got:  # positions 0..T-1 per row, causal, no mask (docstring)
+            self._base(input_ids=input_ids.to(self.device), use_cache=False)
         stacked = torch.stack([got[k] for k in ids], dim=2)  # (B, T, len(ids), H)
         stacked = stacked if on_device else stacked.cpu()
         return [stacked[i, : len(s)].contiguous() for i, s in enumerate(seqs)]
