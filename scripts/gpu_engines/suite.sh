@@ -19,10 +19,11 @@
 #                       benchmarks/h200/numerics.json. NUMQ (default fp8) picks the quantization; NUMENGINE=sglang
 #                       runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no fp32 kernel)
 #   suite.sh reference  the reference decoder on the serve steps' prompts (greedy outputs kept)
-#   suite.sh draft-data | draft-train | draft-serve | draft-sglang | draft-extra | scaling   issue 13: the GPU
-#                       profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate (vLLM) +
-#                       gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); SGLang
-#                       serving of that export; vLLM at k=5 and on HumanEval; the scaling curve's subsets
+#   suite.sh draft-data | draft-train | draft-serve | draft-vllm | draft-sglang | draft-extra | scaling   issue 13:
+#                       the GPU profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate
+#                       (vLLM) + gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); vLLM
+#                       alone (k=3, bf16 and fp32); SGLang serving of that export; vLLM at k=5 and on HumanEval;
+#                       the scaling curve's subsets
 #   suite.sh gpu-tests  tests/test_gpu.py + test_ttt.py's CUDA cases with vLLM's environment, then the SGLang test
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (one call), and, in a later window, the carried parts back to data/drafter
@@ -36,7 +37,8 @@
 #      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip),
 #      PLAN (pipeline: its steps, in order; default in pipeline.sh), SHARDS (scaling: default "1 2 4"),
 #      SET (scaling: train params over the profile's, e.g. "train.draft_vocab_size=32768"),
-#      GPU_SET (draft-*: params over profiles/gpu.yaml for scripts/gpu_run.sh, e.g. "prompts.max_turns=3").
+#      GPU_SET (draft-*: params over profiles/gpu.yaml for scripts/gpu_run.sh, e.g. "prompts.max_turns=3"),
+#      VDTYPES (draft-vllm: serving dtypes, default "bfloat16 float32").
 #      Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
 set -uo pipefail
@@ -106,7 +108,8 @@ case ${1:-} in
       serve_eval > "$OUT/draft_serve.log" 2>&1 ||
       timeout 900 bash scripts/gpu_run.sh serve_eval > "$OUT/draft_serve_eager.log" 2>&1; rc=$?
     grep -h "^=== \|Error" "$OUT"/draft_serve*.log | cut -c1-400; exit $rc ;;
-  draft-sglang|draft-extra)  # issue 13: the draft run's export served by SGLang (k=3), then vLLM at k=5 and HumanEval
+  draft-sglang|draft-extra|draft-vllm)  # issue 13: the draft run's export served by SGLang (k=3); vLLM at k=3 in
+    # each of $VDTYPES (default bfloat16 float32: as trained, and the reference decoder's dtype); vLLM at k=5, HumanEval
     w=/tmp/w13; mkdir -p $w /tmp/w13in; for x in target export drafter; do ln -sfn "$PWD/data/$x" $w/$x; done
     ln -sfn "$PWD/data/prompts" /tmp/w13in/prompts
     D="python3 benchmarks/h200_engines.py --work $w --inputs /tmp/w13in --out $OUT --max-new 128"
@@ -118,6 +121,12 @@ case ${1:-} in
        { export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
          timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang_eager.log" 2>&1; }
        grep -h "RESULT\|Error" "$OUT"/draft_sglang*.log | cut -c1-600)
+    elif [ "$1" = draft-vllm ]; then
+      (venv vllm; export EAGLEPIPE_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}'
+       for dt in ${VDTYPES:-bfloat16 float32}; do
+         timeout 400 $D --prompts 80 --dtype $dt --tag _draft_$dt serve vllm > "$OUT/draft_vllm_$dt.log" 2>&1
+         grep -h "RESULT\|Error" "$OUT/draft_vllm_$dt.log" | cut -c1-600
+       done)
     else
       (venv vllm; export EAGLEPIPE_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}'
        timeout 500 $D --prompts 80 --k 5 --tag _draft_k5 serve vllm > "$OUT/draft_k5.log" 2>&1
