@@ -65,12 +65,14 @@ class TargetHead:
             return (x.bfloat16() @ w.bfloat16().T).float()  # (..., V | R)
         if precision != "tf32":
             raise ValueError(f"teacher precision {precision!r}: fp32 | tf32 | bf16")
-        old = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
+        # torch's fp32_precision API, not the legacy allow_tf32: once inductor (the compiled online target) has
+        # used the new one, reading allow_tf32 raises "mix of the legacy and new APIs" (H200, torch 2.11)
+        old = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
         try:
             return x @ w.float().T  # (..., V | R)
         finally:
-            torch.backends.cuda.matmul.allow_tf32 = old
+            torch.backends.cuda.matmul.fp32_precision = old
 
 
 @dataclass
