@@ -14,7 +14,7 @@ loop: reading or computing features, forward, backward, optimizer; set-up and ev
 (ru_maxrss, monotone, so only the first row is that row's own). ``online_vs_offline`` = online / offline
 tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
 ``capture_only`` rows per engine dtype time the online capture alone over one epoch's rows (no training), the
-target eager and (with --fast on CUDA, as train_drafter then runs it) through torch.compile.
+target eager (as train_drafter runs it) and, with --fast on CUDA, through torch.compile (HFEngine(compile=True)).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main() -> None:
                 rows.append({"mode": mode, "engine_dtype": engine_dtype, "repeat": rep, **r})
             print(f"{mode:8s} engine {engine_dtype:9s} {r['tokens_per_s']:>10.1f} tok/s  {r['steps']} steps  "
                   f"wall {r['wall_s']} s  peak {r['peak_gib']} GiB  store {r['store_bytes'] / 2**20:.1f} MiB", flush=True)
-        for compiled in sorted({False, a.fast and torch.cuda.is_available()}):  # eager, and what --fast trains with
+        for compiled in sorted({False, a.fast and torch.cuda.is_available()}):  # eager (as trained) and compiled
             c = capture_only(stores["tokens"], target, p, compiled)
             rows.append({"mode": "capture_only", "engine_dtype": engine_dtype, **c})
             print(f"capture  engine {engine_dtype:9s} compiled {compiled!s:5s} {c['tokens_per_s']:>10.1f} tok/s  "

@@ -39,7 +39,8 @@ class OnlineCapture:
     """``capture(input_ids_list)`` → per sample (aux (T, L, H), last (T, H)) in the store dtype, on ``device``.
 
     token_budget: padded tokens per target forward (:meth:`HFEngine.capture`); None: 16 samples a forward.
-    compile: the target's forward through torch.compile (``HFEngine(compile=True)``; train.fast on CUDA).
+    compile: the target's forward through torch.compile (``HFEngine(compile=True)``; benchmarks/online_train.py's
+    capture_only rows; train_drafter runs it eager).
 
     Built from a tokens store's manifest (store, dtype, engine_dtype, capture_ids, target shape); raises
     FeatureStoreError for a features store or a target whose shape differs from the manifest's.

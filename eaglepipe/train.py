@@ -501,8 +501,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
         draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
     draft.to(device)
     head = head.to(device)
-    capture = OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens,  # fast on CUDA: target compiled
-                            compile=p.fast and device.type == "cuda") if fs.store == "tokens" else None
+    capture = OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens) if fs.store == "tokens" else None
     inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d, p.batch_tokens, capture)
     head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied
     draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)

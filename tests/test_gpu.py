@@ -65,7 +65,7 @@ def test_online_capture_on_the_device_equals_the_cpu_capture(tiny_target):
 
     seqs = [[1, 5, 7, 9, 11, 13, 17], [1, 4, 4, 8], list(range(3, 60))]
     cpu = HFEngine(tiny_target, device="cpu").capture(seqs, [0, 2, 4])
-    for compile in (False, True):  # eager, and compiled as train.fast runs the online target on CUDA
+    for compile in (False, True):  # eager (training's) and compiled (benchmarks/online_train.py's A/B)
         gpu = HFEngine(tiny_target, device="cuda", compile=compile).capture(seqs, [0, 2, 4], on_device=True,
                                                                            token_budget=128)
         for c, g in zip(cpu, gpu):

@@ -41,7 +41,7 @@ def test_capture_equals_manual_forward(engine, tiny_target):
 
 
 def test_compiled_capture_equals_eager(engine, tiny_target):
-    """HFEngine(compile=True) (online training's target under train.fast) gives eager's states: batches of
+    """HFEngine(compile=True) (benchmarks/online_train.py's compiled capture) gives eager's states: batches of
     several lengths through one dynamic graph, and a batch of one (padded to two rows: dynamo specializes a size of 1)."""
     torch._dynamo.reset()
     comp = HFEngine(tiny_target, batch_size=2, compile=True)

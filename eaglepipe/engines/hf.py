@@ -83,8 +83,10 @@ class HFEngine(Engine):
         self.model.to(self.device).eval()
         self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
         # compile: capture's forward through torch.compile (inductor, dynamic batch and length; the boundary
-        # hooks are traced with it): online training on CUDA (train.fast), where eager's per-op launches and
-        # unfused norms/RoPE/SiLU dominate a small target's forward (benchmarks/online_train.py)
+        # hooks are traced with it). Not what training uses: on the H200 (2026-12-01, fifth window) the GPU
+        # profile's online training with it took 4-7 min to the end of epoch 0 (the GPU idle for minutes
+        # while compiling) against ~3 min eager (fourth window), and epochs 1-2 showed no gain;
+        # benchmarks/online_train.py's capture_only rows time it against eager to settle it
         self._base = torch.compile(self.model.model, dynamic=True) if compile else self.model.model
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
