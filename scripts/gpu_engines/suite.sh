@@ -23,7 +23,7 @@
 #                       the GPU profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate
 #                       (vLLM) + gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); vLLM
 #                       alone (k=3, bf16 and fp32); SGLang serving of that export; vLLM at k=5 and on HumanEval;
-#                       the scaling curve's subsets
+#                       the scaling curve's subsets; draft-simgap: the draft's τ_sim on MT-bench and HumanEval
 #   suite.sh gpu-tests  tests/test_gpu.py + test_ttt.py's CUDA cases with vLLM's environment, then the SGLang test
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (one call), and, in a later window, the carried parts back to data/drafter
@@ -31,6 +31,7 @@
 #   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
 #   suite.sh pipeline   the steps of $PLAN (pipeline.sh: its default and why) one after the other, in one
 #                       background run in a copy of the repo; then
+#   suite.sh watch [S]    hold the machine up to S s (540) while it runs; back when a step ends or fails
 #   suite.sh collect [S]  wait up to S s (540) for it, copy its results and logs to $OUT (call it until DONE)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      NNUM (numerics: training conversations, default 128),
@@ -133,6 +134,12 @@ case ${1:-} in
        timeout 500 $D --prompts 164 --source humaneval --tag _draft_humaneval serve vllm > "$OUT/draft_humaneval.log" 2>&1
        grep -h "RESULT\|Error" "$OUT"/draft_k5.log "$OUT"/draft_humaneval.log | cut -c1-600)
     fi ;;
+  draft-simgap)  # issue 13: the draft's τ_sim on the serving prompts (benchmarks/sim_gap.py): data or serving?
+    (venv vllm; export PYTHONPATH="$PWD:/tmp/eaglepipe-pkgs:$PYTHONPATH"  # gpu_run.sh's bundled MT-bench, HumanEval
+     for src in mtbench humaneval; do n=80; [ $src = humaneval ] && n=164
+       timeout 300 python3 benchmarks/sim_gap.py --target data/target --drafter data/drafter --source $src --n $n \
+         --max-new 128 --out "$OUT/sim_gap_$src.json" > "$OUT/sim_gap_$src.log" 2>&1
+       grep -h "RESULT\|Error" "$OUT/sim_gap_$src.log" | cut -c1-500; done) ;;
   gpu-tests)  # tests/test_gpu.py (+ test_ttt.py: its CUDA cases) under each engine's environment (CI skips them)
     (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py > "$OUT/gpu_tests_vllm.log" 2>&1; tail -4 "$OUT/gpu_tests_vllm.log")
     (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
@@ -165,6 +172,17 @@ case ${1:-} in
     REPO_ROOT=/tmp/repo OUT=/tmp/res setsid nohup bash /tmp/repo/scripts/gpu_engines/pipeline.sh \
       > /tmp/res/pipeline.log 2>&1 < /dev/null &
     sleep 5; cat /tmp/res/steps.txt ;;
+  watch)  # hold the machine up to $2 s (default 540) while pipeline runs: back as soon as a step ends, DONE
+    # appears or a log gets a Traceback, with the steps so far and the running step's last lines. The machine is
+    # given back 30 s after a call ends (the fifth window lost its run to a fix made between two calls), so
+    # call watch again at once, and make fixes inside a call (edit /tmp/repo from the command), not between
+    n0=$(wc -l < /tmp/res/steps.txt); t0=$(cat /tmp/res/*.log 2>/dev/null | grep -c Traceback)
+    for _ in $(seq $(( ${2:-540} / 5 ))); do
+      [ -f /tmp/res/DONE ] || [ "$(wc -l < /tmp/res/steps.txt)" != "$n0" ] ||
+        [ "$(cat /tmp/res/*.log 2>/dev/null | grep -c Traceback)" != "$t0" ] && break; sleep 5; done
+    cat /tmp/res/steps.txt; f=$(ls -t /tmp/res/*.log | head -1); echo "--- $f"
+    grep -a "^=== \|epoch \|RESULT\|Error" "$f" | tail -6 | cut -c1-300
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
     for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
     tar -czf "$OUT/res.tgz" -C /tmp/res .; cat /tmp/res/steps.txt; grep -h "^RESULT" /tmp/res/*.log | cut -c1-300
