@@ -338,3 +338,19 @@ def test_fast_step_trains_the_same_and_lm_head_can_be_frozen(features, tiny_targ
 
     head = load_target_head(tiny_target)
     torch.testing.assert_close(w["lm_head.weight"], head.lm_head[w["t2d"]], rtol=0, atol=0)  # never trained
+
+
+def test_sim_gap_reproduces_the_held_out_evaluation(features, tiny_target, tmp_path):
+    """benchmarks/sim_gap.py's ``sim`` on train_drafter's own held-out samples gives the kept (best) epoch's
+    evaluation: the same per-step accuracies, so its τ_sim on serving prompts compares like with like."""
+    from benchmarks.sim_gap import sim
+    from eaglepipe.features import FeatureSet
+
+    p = _params(epochs=4, lr=1e-2)
+    s = train_drafter(features, tiny_target, tmp_path / "drafter", p, scratch_dir=tmp_path / "scratch")
+    fs = FeatureSet(features)
+    held = [fs.read(r) for r in split_samples(fs.refs, p.eval_fraction, p.seed)[1]]
+    got = sim(tmp_path / "drafter", tiny_target, held, p.ttt_steps, p.step_decay, p.batch_tokens)
+    want = [s["best"]["acc"][f"step{j}"] for j in range(p.ttt_steps)]
+    assert got["acc"] == pytest.approx(want, abs=1e-4) and got["tau_sim"] == pytest.approx(s["best"]["tau_sim"], abs=1e-4)
+    assert got["positions"] == sum(int(x.loss_mask.sum()) for x in held) and 0 < got["acc"][0] < 1
