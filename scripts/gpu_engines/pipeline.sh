@@ -5,11 +5,12 @@
 # each bounded by its timeout; $OUT/steps.txt gets a line per step (exit code, seconds); $OUT/DONE marks the end.
 # The plan: the steps of $PLAN, one after the other (the third window's lesson: two online trainings and an
 # engine at once split the GPU, and the full draft's training did not finish). Default (what the fourth
-# window left, reordered in the fifth): online vs offline with the capture alone timed (eager and compiled);
-# issue 13's draft again (the machine keeps nothing): regenerate (vLLM) + gate; online training + export;
-# its data/drafter split into parts for `suite.sh keep` to bring back (draft-keep); its τ_sim on the serving
-# prompts (draft-simgap); vLLM k=3 in bf16 and fp32 (the engine alone, no reference decoder: ~4 min a dtype
-# against serve_eval's ~9); vLLM at k=5 and on HumanEval; SGLang serving of it; then tests/test_gpu.py.
+# window left, reordered in the fifth): issue 13's draft again (the machine keeps nothing): regenerate
+# (vLLM) + gate; online training + export; its data/drafter split into parts for `suite.sh keep` to bring
+# back (draft-keep); its τ_sim on the serving prompts (draft-simgap); vLLM k=3 in bf16 and fp32 (the engine
+# alone, no reference decoder: ~4 min a dtype against serve_eval's ~9); online vs offline with the capture
+# alone timed, eager and compiled (after the draft: the compiled target compiled for minutes in the fifth
+# window); vLLM at k=5 and on HumanEval; SGLang serving of it; then tests/test_gpu.py.
 # Hold the machine with `suite.sh watch` calls while it runs (suite.sh: why).
 # Together they need more than one 30-minute window: what did not finish is simply missing from `collect`'s
 # res.tgz.
@@ -22,5 +23,5 @@ step() {  # step ARGS...: one suite.sh step, a line in $OUT/steps.txt
   local t0=$SECONDS; $S "$@"; echo "$* rc=$? ${SECONDS}s-since-start $((SECONDS - t0))s" >> "$OUT/steps.txt"
 }
 echo "start $(date -u +%FT%TZ)" > "$OUT/steps.txt"
-for s in ${PLAN:-online draft-data draft-train draft-keep draft-simgap draft-vllm draft-extra draft-sglang gpu-tests}; do step "$s"; done
+for s in ${PLAN:-draft-data draft-train draft-keep draft-simgap draft-vllm online draft-extra draft-sglang gpu-tests}; do step "$s"; done
 date -u +%FT%TZ > "$OUT/DONE"
