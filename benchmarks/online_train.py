@@ -106,7 +106,7 @@ def capture_only(store_dir: Path, target: Path, p: TrainParams, compile: bool) -
     """The online capture alone (no training) over one epoch's packed rows, as train_drafter forms and feeds them
     (:class:`eaglepipe.online.OnlineCapture`, token budget 2 × batch_tokens): tokens/s with the device synced, so
     its cost inside the loop (online step − offline step) can be told from the capture's own. ``compile``: the
-    target through torch.compile (what train.fast does on CUDA); two rows of warm-up (compilation) are untimed."""
+    target through torch.compile (HFEngine(compile=True)); two rows of warm-up (compilation) are untimed."""
     from eaglepipe.features import FeatureSet
     from eaglepipe.online import OnlineCapture
     from eaglepipe.train import epoch_rows

@@ -35,8 +35,8 @@ from eaglepipe.features import FeatureSample, store_capture  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
 from eaglepipe.prompts import humaneval_prompts, mtbench_first_turns  # noqa: E402
 from eaglepipe.target_head import load_target_head, soft_targets  # noqa: E402
-from eaglepipe.train import collate, pack  # noqa: E402
-from eaglepipe.ttt import tau_sim, ttt_unroll  # noqa: E402
+from eaglepipe.train import autocast_for, collate, eval_summary, pack  # noqa: E402
+from eaglepipe.ttt import ttt_unroll  # noqa: E402
 
 
 def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: int, dtype: str) -> list[FeatureSample]:
@@ -56,19 +56,21 @@ def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: i
 @torch.inference_mode()
 def sim(drafter_dir: Path, target_dir: Path, samples: list[FeatureSample], steps: int, decay: float,
         max_tokens: int) -> dict:
-    """train_drafter's held-out evaluation (eaglepipe/train.py::evaluate) over ``samples``: acc per TTT step,
-    τ_sim, counted positions."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    """train_drafter's held-out evaluation (eaglepipe/train.py::evaluate: the fp32 teacher, bf16 autocast on
+    CUDA, :func:`eaglepipe.train.eval_summary`) over ``samples``: acc per TTT step, τ_sim, counted positions."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     draft = load_draft(drafter_dir, dev).float()
     head = load_target_head(target_dir).to(dev)
-    correct, counted = torch.zeros(steps), torch.zeros(steps)
-    for row in pack([len(s.input_ids) for s in samples], list(range(len(samples))), max_tokens):
-        b = collate([samples[i] for i in row]).to(dev)
-        soft = soft_targets(head, b.last, draft.t2d)  # fp32 teacher, as evaluate()
-        r = ttt_unroll(draft, head.embed, b, soft, steps, decay)
-        correct, counted = correct + r.correct.cpu(), counted + r.counted.cpu()
-    acc = (correct / counted.clamp(min=1)).tolist()
-    return {"acc": [round(a, 4) for a in acc], "tau_sim": round(tau_sim(acc), 4), "positions": int(counted[0])}
+
+    def results():
+        for row in pack([len(s.input_ids) for s in samples], list(range(len(samples))), max_tokens):
+            b = collate([samples[i] for i in row]).to(dev)
+            soft = soft_targets(head, b.last, draft.t2d)
+            with autocast_for(dev):
+                yield ttt_unroll(draft, head.embed, b, soft, steps, decay)
+
+    ev = eval_summary(results(), steps)
+    return {"acc": [round(a, 4) for a in ev["acc"]], "tau_sim": round(ev["tau_sim"], 4), "positions": ev["positions"]}
 
 
 def main() -> None:

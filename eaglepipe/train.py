@@ -412,6 +412,14 @@ class State:
     curves: list = field(default_factory=list)  # (step, {name: value}) every dvclive row so far, replayed on resume
 
 
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA, none on CPU (module docstring: Precision): the draft's compute in training and
+    evaluation (and in benchmarks/sim_gap.py, which must evaluate as train does)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
 @dataclass
 class Run:
     """What :func:`setup` builds once: data index, target head, draft, optimizer, schedule, checkpoint place."""
@@ -438,10 +446,7 @@ class Run:
     capture: OnlineCapture | None = None  # online (a tokens store): the frozen target computing the features
 
     def autocast(self):
-        """bf16 autocast on CUDA, none on CPU (module docstring: Precision)."""
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        return autocast_for(self.device)
 
     def forward(self, b: Batch, module=None) -> TTTResult:
         """Soft targets and the TTT unroll of one batch (``module``: default the DDP-wrapped model)."""
@@ -655,12 +660,17 @@ def run_epoch(run: Run, st: State, curves: Curves, stop_after: int | None) -> bo
 def evaluate(run: Run) -> dict:
     """Step 7: TTT on the held-out samples: per-step accuracy over counted positions, mean loss, τ_sim, OOV
     top-1 share, counted positions."""
-    S = run.p.ttt_steps
-    correct, counted, trained = torch.zeros(S), torch.zeros(S), torch.zeros(S)
-    loss, n = 0.0, 0
     rows = pack([r.n_tokens for r in run.held], list(range(len(run.held))), run.p.batch_tokens)
-    for _, b in run.stream([[run.held[i] for i in row] for row in rows]):
-        r = run.forward(b, run.unroll)
+    batches = run.stream([[run.held[i] for i in row] for row in rows])
+    return eval_summary((run.forward(b, run.unroll) for _, b in batches), run.p.ttt_steps)
+
+
+def eval_summary(results, steps: int) -> dict:
+    """Held-out TTTResults (one per packed row) → per-step accuracy over counted positions, mean loss, τ_sim,
+    OOV top-1 share, counted positions (:func:`evaluate`; benchmarks/sim_gap.py on other samples)."""
+    correct, counted, trained = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    loss, n = 0.0, 0
+    for r in results:
         correct += r.correct.cpu()
         counted += r.counted.cpu()
         trained += r.trained.cpu()

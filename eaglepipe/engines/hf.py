@@ -83,10 +83,9 @@ class HFEngine(Engine):
         self.model.to(self.device).eval()
         self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
         # compile: capture's forward through torch.compile (inductor, dynamic batch and length; the boundary
-        # hooks are traced with it). Not what training uses: on the H200 (2026-12-01, fifth window) the GPU
-        # profile's online training with it took 4-7 min to the end of epoch 0 (the GPU idle for minutes
-        # while compiling) against ~3 min eager (fourth window), and epochs 1-2 showed no gain;
-        # benchmarks/online_train.py's capture_only rows time it against eager to settle it
+        # hooks are traced with it). Training runs eager: on the H200 it compiled for minutes with no faster
+        # epochs (scripts/gpu_engines/README.md, fifth window); benchmarks/online_train.py times both
+        self.compiled = compile
         self._base = torch.compile(self.model.model, dynamic=True) if compile else self.model.model
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
@@ -99,9 +98,10 @@ class HFEngine(Engine):
 
         Sequences are batched right-padded, shortest first, and run with no attention mask: causal attention
         already keeps a real token from the padding after it, and without a mask transformers' SDPA path runs
-        ``is_causal`` (the flash kernel on CUDA) instead of a materialized (B, 1, T, T) mask. A batch holds ``batch_size`` sequences, or with ``token_budget`` as many as
-        fit in that many padded tokens (batch × its longest; a longer sequence runs alone). Runs the base model
-        only (no lm_head). Raises ValueError for ids outside [0, N].
+        ``is_causal`` (the flash kernel on CUDA) instead of a materialized (B, 1, T, T) mask. A batch holds
+        ``batch_size`` sequences, or with ``token_budget`` as many as fit in that many padded tokens (batch × its
+        longest; a longer sequence runs alone). Runs the base model only (no lm_head). Raises ValueError for ids
+        outside [0, N].
         on_device: keep the results on the model's device (online training, eaglepipe/online.py), not the CPU;
         they are inference tensors either way (copy or cat them before autograd saves them).
         """
@@ -117,8 +117,8 @@ class HFEngine(Engine):
 
     def _capture_batch(self, seqs: list[list[int]], ids: list[int], on_device: bool = False) -> list[torch.Tensor]:
         T = max(len(s) for s in seqs)
-        rows = len(seqs) + (len(seqs) == 1 and self._base is not self.model.model)  # compiled: B ≥ 2, or dynamo
-        input_ids = torch.zeros(rows, T, dtype=torch.long)  # (B, T), right-padded with id 0; recompiles for B = 1
+        rows = len(seqs) + (len(seqs) == 1 and self.compiled)  # compiled: B ≥ 2 (dynamo specializes B = 1)
+        input_ids = torch.zeros(rows, T, dtype=torch.long)  # (B, T), right-padded with id 0
         for i, s in enumerate(seqs):
             input_ids[i, : len(s)] = torch.tensor(s)
         with boundary_hooks(self.layers, ids) as got:  # positions 0..T-1 per row, causal, no mask (docstring)
