@@ -43,7 +43,7 @@ def main():
         params = yaml.safe_load(Path("params.yaml").read_text())
         if a.profile:
             merge_profile(params, yaml.safe_load(Path(a.profile).read_text()))
-        yaml.safe_dump(apply_sets(params, a.set), open("params.yaml", "w"), sort_keys=False)
+        Path("params.yaml").write_text(yaml.safe_dump(apply_sets(params, a.set), sort_keys=False))
     link_bundled(Path.cwd())  # bundled/ links, as scripts/setup.sh makes them
     stages = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]
     for name in a.stages or list(stages):
