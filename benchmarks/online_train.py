@@ -15,6 +15,9 @@ loop: reading or computing features, forward, backward, optimizer; set-up and ev
 tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
 ``capture_only`` rows per engine dtype time the online capture alone over one epoch's rows (no training), the
 target eager (as train_drafter runs it) and, with --fast on CUDA, through torch.compile (HFEngine(compile=True)).
+``--profile DIR``: one more online epoch under torch.profiler (CPU and CUDA activity); DIR gets the top operators
+by self CPU time and by CUDA time, and the result's ``profile`` the GPU's busy share of the epoch (kernel time /
+wall time): low means the step waits on the host (launches, Python, syncs), not on the GPU.
 """
 
 from __future__ import annotations
@@ -133,6 +136,27 @@ def capture_only(store_dir: Path, target: Path, p: TrainParams, compile: bool) -
             "ms_per_row": round(1000 * dt / len(rows), 2), "warmup_s": round(warm, 2), "compiled": compile}
 
 
+def profiled(store_dir: Path, target: Path, p: TrainParams, scratch: Path, out_dir: Path) -> dict:
+    """One online train_drafter call under torch.profiler: writes ``out_dir``/profile_{cpu,cuda}.txt (top 30
+    operators by self CPU / self CUDA time) and returns wall seconds, kernel seconds and their ratio."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        r = run(store_dir, target, p, scratch)
+    ev = prof.key_averages()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "profile_cpu.txt").write_text(ev.table(sort_by="self_cpu_time_total", row_limit=30))
+    res = {"wall_s": r["wall_s"], "train_seconds": r["train_seconds"], "steps": r["steps"]}
+    if torch.cuda.is_available():
+        (out_dir / "profile_cuda.txt").write_text(ev.table(sort_by="self_device_time_total", row_limit=30))
+        kernel_s = sum(e.device_time_total for e in prof.events()  # the kernels themselves (a CPU op's
+                       if e.device_type == DeviceType.CUDA) / 1e6  # device time would count them again); µs → s
+        res |= {"kernel_s": round(kernel_s, 3), "gpu_busy_share_of_wall": round(kernel_s / r["wall_s"], 3)}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="SmolLM2 HF folder (made from --gguf when missing); default "
@@ -152,6 +176,7 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="offline, online, offline, ...; the best of each counts")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--profile", default=None, help="folder: one more online epoch under torch.profiler (docstring)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if a.threads:
@@ -181,6 +206,10 @@ def main() -> None:
             rows.append({"mode": "capture_only", "engine_dtype": engine_dtype, **c})
             print(f"capture  engine {engine_dtype:9s} compiled {compiled!s:5s} {c['tokens_per_s']:>10.1f} tok/s  "
                   f"{c['ms_per_row']} ms a row  warm-up {c['warmup_s']} s", flush=True)
+        if a.profile:
+            pr = profiled(stores["tokens"], target, p, work / "train", Path(a.profile) / engine_dtype)
+            rows.append({"mode": "online_profiled", "engine_dtype": engine_dtype, **pr})
+            print(f"profiled online engine {engine_dtype}: {pr}", flush=True)
     ratio = {}
     for engine_dtype in a.engine_dtype:
         by = {mode: max(r["tokens_per_s"] for r in rows if (r["engine_dtype"], r["mode"]) == (engine_dtype, mode))

@@ -3,6 +3,7 @@ serving? (issue 13: the H200 draft's τ_sim 2.443 on held-out ShareGPT against v
 
     python benchmarks/sim_gap.py --target data/target --drafter data/drafter --out benchmarks/sim_gap_cpu.json
     python benchmarks/sim_gap.py ... --source humaneval --n 164        # the second serving benchmark
+    python benchmarks/sim_gap.py ... --reference                       # + the reference decoder's served τ there
 
 For each prompt (MT-bench first turns, or HumanEval, as serve_eval and benchmarks/h200_engines.py form them):
 the target's greedy continuation (transformers, fp32), its boundary states captured as extract captures them
@@ -30,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.draft import CONFIG_FILE, load_draft  # noqa: E402
 from eaglepipe.engines.hf import HFEngine  # noqa: E402
-from eaglepipe.evaluate import eval_prompts  # noqa: E402
+from eaglepipe.evaluate import eval_prompts, reference_eval  # noqa: E402
 from eaglepipe.features import FeatureSample, store_capture  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
 from eaglepipe.prompts import humaneval_prompts, mtbench_first_turns  # noqa: E402
@@ -73,6 +74,14 @@ def sim(drafter_dir: Path, target_dir: Path, samples: list[FeatureSample], steps
     return {"acc": [round(a, 4) for a in ev["acc"]], "tau_sim": round(ev["tau_sim"], 4), "positions": ev["positions"]}
 
 
+def _served(target: Path, drafter: Path, layers: list[int], prompts: list[dict], k: int, max_new: int) -> dict:
+    """The reference decoder (eaglepipe.evaluate.reference_eval, fp32) on the same prompts: τ, acceptance per
+    position, outputs equal to greedy."""
+    r = reference_eval(target, drafter, layers, prompts, k, max_new)
+    return {"tau": round(r["tau"], 4), "acceptance_per_pos": [round(a, 4) for a in r["acceptance_per_pos"]],
+            "outputs_equal": r["outputs_equal"], "prompts_equal": r["prompts_equal"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -82,6 +91,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--store-dtype", default="bfloat16", help="extract.dtype of the training store")
     ap.add_argument("--ttt", type=int, default=3, help="train.ttt_steps the draft was trained with")
+    ap.add_argument("--reference", action="store_true",
+                    help="also serve the prompts with the reference decoder (k = --ttt): served τ beside τ_sim")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     target, drafter = Path(a.target), Path(a.drafter)
@@ -98,6 +109,7 @@ def main() -> None:
     res = {"source": a.source, "prompts": len(prompts), "max_new_tokens": a.max_new, "layers": layers,
            "store_dtype": a.store_dtype, "ttt_steps": steps, "training_tau_sim": cfg.get("best_tau_sim"),
            **sim(drafter, target, samples, steps, decay, max_tokens),
+           **({"reference": _served(target, drafter, layers, prompts, steps, a.max_new)} if a.reference else {}),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "seconds": round(time.perf_counter() - t0, 1)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

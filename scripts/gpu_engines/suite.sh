@@ -35,7 +35,8 @@
 #   suite.sh collect [S]  wait up to S s (540) for it, copy its results and logs to $OUT (call it until DONE)
 # Env: P (MT-bench prompts, default 24), NEW (max new tokens, default 128), NCONV (extract, default 64),
 #      NNUM (numerics: training conversations, default 128),
-#      NONLINE (online: samples, default 512), CHECKS (1: run check.py for both engines in setup; 0: skip),
+#      NONLINE (online: samples, default 512; ONLINE_MIN/ONLINE_MAX their lengths, default 256/1024; the GPU
+#      profile's ShareGPT rows average 273 tokens), CHECKS (1: run check.py for both engines in setup; 0: skip),
 #      PLAN (pipeline: its steps, in order; default in pipeline.sh), SHARDS (scaling: default "1 2 4"),
 #      SET (scaling: train params over the profile's, e.g. "train.draft_vocab_size=32768"),
 #      GPU_SET (draft-*: params over profiles/gpu.yaml for scripts/gpu_run.sh, e.g. "prompts.max_turns=3"),
@@ -82,8 +83,9 @@ case ${1:-} in
   online)  # needs only torch/transformers/safetensors/pydantic (the vllm venv has them); no engine, no DVC
     (venv vllm; timeout 560 python3 benchmarks/online_train.py --target /tmp/w/target \
        --gguf /tmp/eng/inputs/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/online --out "$OUT/online_train.json" \
-       --samples ${NONLINE:-512} --min-len 256 --max-len 1024 --batch-tokens 16384 --fast \
-       --engine-dtype ${ONLINE_DTYPES:-bfloat16} > "$OUT/online_train.log" 2>&1; grep "tok/s\|RESULT\|Error" "$OUT/online_train.log" | cut -c1-600) ;;
+       --samples ${NONLINE:-512} --min-len ${ONLINE_MIN:-256} --max-len ${ONLINE_MAX:-1024} --batch-tokens 16384 \
+       --fast --engine-dtype ${ONLINE_DTYPES:-bfloat16} --profile "$OUT/online_profile" > "$OUT/online_train.log" 2>&1
+     grep "tok/s\|profiled\|RESULT\|Error" "$OUT/online_train.log" | cut -c1-600) ;;
   numerics)  # issue 16; $2 = base | serve | fix | serve-fix (each bounded, so what ran comes back)
     E=${NUMENGINE:-vllm}; part=${2:-}; [ "$part" = serve ] && part=serve-base
     case $part in base|serve-base|fix|serve-fix) ;; *) echo "numerics needs base, serve, fix or serve-fix"; exit 2 ;; esac
@@ -96,9 +98,13 @@ case ${1:-} in
     (venv "$E"; timeout 560 $NUM > "$OUT/numerics_${part}_$E.log" 2>&1; status=$?
      cp "$OUT"/numerics_base.json "$OUT"/numerics_fix.json /tmp/w/numerics-$E/ 2>/dev/null
      grep "RESULT\|Error" "$OUT/numerics_${part}_$E.log" | cut -c1-600; exit $status) ;;
-  draft-data)  # issue 13: the GPU profile's pipeline up to the offset gate (vLLM regenerates, eager, big batches)
-    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024}' timeout 900 bash scripts/gpu_run.sh \
-      check_params target prompts extract validate_offsets > "$OUT/draft_data.log" 2>&1; rc=$?
+  draft-data)  # issue 13: the GPU profile's pipeline up to the offset gate. vLLM regenerates with CUDA graphs, big
+    # batches (eager, its generate sat at 0-11 % GPU: 219, 301, 409 s in windows 4-6 for the same 4.4 M tokens, as
+    # fast as the host's CPU); the gate's capture instance stays eager (GPU_VLLM_ARGS of its own call)
+    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024, "enforce_eager": false}' timeout 700 \
+      bash scripts/gpu_run.sh check_params target prompts extract > "$OUT/draft_data.log" 2>&1 &&
+    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35}' timeout 300 bash scripts/gpu_run.sh validate_offsets \
+      >> "$OUT/draft_data.log" 2>&1; rc=$?
     grep "^=== \|Error" "$OUT/draft_data.log" | cut -c1-400; exit $rc ;;
   draft-train)  # issue 13: online training (the target in the loop) and export
     timeout 1500 bash scripts/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1; rc=$?
