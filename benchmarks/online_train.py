@@ -6,8 +6,10 @@ offline (features read from the shards), at SmolLM2 shapes (the bundled target: 
         --engine-dtype float32 bfloat16 --out $OUT/online_train.json   # the H200 (suite.sh online)
 
 No DVC: both stores are written here, with eaglepipe's own writer and capture (random token sequences of
-seeded lengths, loss on their second half), then :func:`eaglepipe.train.train_drafter` runs one epoch on each
-with the same params. ``tokens_per_s`` is train_drafter's own figure (token positions / seconds of the epoch
+seeded lengths, loss on their second half; the tokens store's shards carry stand-in conversation text of the
+size extract writes, ~5 bytes a token, whose parsing at each shard open cost the data thread ~50-80 ms a row
+before rows were read shard by shard: benchmarks/token_reads.py), then :func:`eaglepipe.train.train_drafter`
+runs one epoch on each with the same params. ``tokens_per_s`` is train_drafter's own figure (token positions / seconds of the epoch
 loop: reading or computing features, forward, backward, optimizer; set-up and evaluation excluded);
 ``wall_s`` is the whole call (online set-up includes one target forward a packed row for the top-1 mask).
 ``peak_gib``: torch.cuda.max_memory_allocated over the call on CUDA; ``peak_rss_mib`` the process's peak RSS
@@ -15,9 +17,9 @@ loop: reading or computing features, forward, backward, optimizer; set-up and ev
 tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
 ``capture_only`` rows per engine dtype time the online capture alone over one epoch's rows (no training), the
 target eager (as train_drafter runs it) and, with --fast on CUDA, through torch.compile (HFEngine(compile=True)).
-``--profile DIR``: one more online epoch under torch.profiler (CPU and CUDA activity); DIR gets the top operators
-by self CPU time and by CUDA time, and the result's ``profile`` the GPU's busy share of the epoch (kernel time /
-wall time): low means the step waits on the host (launches, Python, syncs), not on the GPU.
+``--profile DIR``: one more offline and one more online epoch under torch.profiler (CPU and CUDA activity); DIR
+gets each one's top operators by self CPU time and by CUDA time, and its ``*_profiled`` row the GPU's busy share
+of the call (kernel time / wall time): low means the step waits on the host (launches, Python, syncs).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.token_reads import conversation  # noqa: E402  (text the size a real store's shards hold)
 from eaglepipe.engines.hf import HFEngine  # noqa: E402
 from eaglepipe.features import FeatureSample, ShardWriter, store_capture  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
@@ -78,7 +81,7 @@ def write_stores(target: Path, work: Path, seqs, engine_dtype: str, store_dtype:
             samples = [FeatureSample(f"s{i * shard_size + j}", t, m,
                                      *(store_capture(h, store_dtype) if h is not None else (None, None)))
                        for j, ((t, m), h) in enumerate(zip(chunk, caps))]
-            w.write(i, samples, messages=None if store == "features" else [[] for _ in samples])
+            w.write(i, samples, messages=None if store == "features" else [conversation(len(t)) for t, _ in chunk])
         extra = {"store": store}
         if store == "tokens":
             extra.update(gate_samples=0, engine_dtype=engine_dtype)
@@ -176,7 +179,7 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="offline, online, offline, ...; the best of each counts")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--profile", default=None, help="folder: one more online epoch under torch.profiler (docstring)")
+    ap.add_argument("--profile", default=None, help="folder: one more epoch of each mode under torch.profiler (docstring)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if a.threads:
@@ -201,15 +204,15 @@ def main() -> None:
                 rows.append({"mode": mode, "engine_dtype": engine_dtype, "repeat": rep, **r})
             print(f"{mode:8s} engine {engine_dtype:9s} {r['tokens_per_s']:>10.1f} tok/s  {r['steps']} steps  "
                   f"wall {r['wall_s']} s  peak {r['peak_gib']} GiB  store {r['store_bytes'] / 2**20:.1f} MiB", flush=True)
+        for mode, store in (("offline", "features"), ("online", "tokens")) if a.profile else ():  # before the
+            pr = profiled(stores[store], target, p, work / "train", Path(a.profile) / f"{mode}_{engine_dtype}")
+            rows.append({"mode": f"{mode}_profiled", "engine_dtype": engine_dtype, **pr})  # compiled capture
+            print(f"profiled {mode} engine {engine_dtype}: {pr}", flush=True)
         for compiled in sorted({False, a.fast and torch.cuda.is_available()}):  # eager (as trained) and compiled
             c = capture_only(stores["tokens"], target, p, compiled)
             rows.append({"mode": "capture_only", "engine_dtype": engine_dtype, **c})
             print(f"capture  engine {engine_dtype:9s} compiled {compiled!s:5s} {c['tokens_per_s']:>10.1f} tok/s  "
                   f"{c['ms_per_row']} ms a row  warm-up {c['warmup_s']} s", flush=True)
-        if a.profile:
-            pr = profiled(stores["tokens"], target, p, work / "train", Path(a.profile) / engine_dtype)
-            rows.append({"mode": "online_profiled", "engine_dtype": engine_dtype, **pr})
-            print(f"profiled online engine {engine_dtype}: {pr}", flush=True)
     ratio = {}
     for engine_dtype in a.engine_dtype:
         by = {mode: max(r["tokens_per_s"] for r in rows if (r["engine_dtype"], r["mode"]) == (engine_dtype, mode))

@@ -48,8 +48,8 @@ def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: i
     caps = engine.capture(seqs, ids)  # (T, L+1, H) float32 each
     out = []
     for p, o, s, h in zip(prompts, outs, seqs, caps):
-        mask = torch.zeros(len(s), dtype=torch.bool)
-        mask[len(p["input_ids"]):] = True
+        mask = torch.zeros(len(s), dtype=torch.bool)  # over predictions (eaglepipe/template.py): position t
+        mask[len(p["input_ids"]) - 1 : -1] = True      # scores token t + 1, here every continuation token
         out.append(FeatureSample(p["id"], torch.tensor(s), mask, *store_capture(h, dtype)))
     return out
 
@@ -72,6 +72,17 @@ def sim(drafter_dir: Path, target_dir: Path, samples: list[FeatureSample], steps
 
     ev = eval_summary(results(), steps)
     return {"acc": [round(a, 4) for a in ev["acc"]], "tau_sim": round(ev["tau_sim"], 4), "positions": ev["positions"]}
+
+
+def by_category(records: list[dict], samples: list[FeatureSample], simulate) -> dict:
+    """τ_sim and per-step accuracy for each MT-bench category (records' ``category``; {} where there is none),
+    ``simulate`` = :func:`sim` over a subset: which kinds of prompt the draft has not learnt."""
+    cat = {r["id"]: r.get("category") for r in records}
+    groups: dict[str, list[FeatureSample]] = {}
+    for s in samples:
+        if cat.get(s.id):
+            groups.setdefault(cat[s.id], []).append(s)
+    return {c: {"prompts": len(ss), **simulate(ss)} for c, ss in sorted(groups.items())}
 
 
 def _served(target: Path, drafter: Path, layers: list[int], prompts: list[dict], k: int, max_new: int) -> dict:
@@ -109,6 +120,7 @@ def main() -> None:
     res = {"source": a.source, "prompts": len(prompts), "max_new_tokens": a.max_new, "layers": layers,
            "store_dtype": a.store_dtype, "ttt_steps": steps, "training_tau_sim": cfg.get("best_tau_sim"),
            **sim(drafter, target, samples, steps, decay, max_tokens),
+           "by_category": by_category(records, samples, lambda ss: sim(drafter, target, ss, steps, decay, max_tokens)),
            **({"reference": _served(target, drafter, layers, prompts, steps, a.max_new)} if a.reference else {}),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "seconds": round(time.perf_counter() - t0, 1)}

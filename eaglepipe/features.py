@@ -39,8 +39,9 @@ non-finite values) in the shard's ``quarantined`` metadata and in the manifest (
 ``totals.quarantined``). A shard all of whose samples were quarantined is not listed.
 
 Reading is lazy (:class:`FeatureSet`): the manifest indexes every sample (shard, token range); a sample is
-read with ``safe_open(...).get_slice`` from a memory-mapped shard, and at most ``max_open`` shards are open
-at once, so host memory does not grow with the dataset. A shard whose size differs from the manifest's, or
+read with ``safe_open(...).get_slice`` from a memory-mapped shard (its token ids and masks from the shard's
+whole arrays, read once while it is open), and at most ``max_open`` shards are open at once (:data:`MAX_OPEN`
+by store), so host memory does not grow with the dataset. A shard whose size differs from the manifest's, or
 that safetensors cannot parse, raises :class:`FeatureStoreError` naming the file.
 
 Atomicity and resume: every file is written to ``<name>.tmp`` and renamed. :class:`ShardWriter` writes into a
@@ -69,6 +70,10 @@ from .errors import CaptureMismatch, FeatureStoreError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# Shards a FeatureSet keeps open, by store: a features shard maps its features (GBs at 8B shapes), a tokens
+# shard holds ~4 MB (1,024 samples' token ids, masks and text), and online rows mix samples of every shard
+# (benchmarks/token_reads.py: 25.6 ms a row with 2 open, against ~80 ms reading in row order).
+MAX_OPEN = {"features": 2, "tokens": 16}
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -298,7 +303,7 @@ class FeatureSet:
     Not thread-safe: use one FeatureSet per thread.
     """
 
-    def __init__(self, path: str | Path, max_open: int = 2):
+    def __init__(self, path: str | Path, max_open: int | None = None):
         self.path = Path(path)
         try:
             self.manifest = json.loads((self.path / MANIFEST).read_text())
@@ -307,8 +312,9 @@ class FeatureSet:
         self.layers: list[int] = list(self.manifest["layers"])
         self.n_layers: int = int(self.manifest["target"]["n_layers"])
         self.store: str = self.manifest.get("store", "features")
-        self.max_open = max_open
+        self.max_open = max_open or MAX_OPEN[self.store]
         self._open: OrderedDict[str, object] = OrderedDict()
+        self._tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # open shards' whole input_ids, loss_mask
         self._bytes = {s["file"]: s.get("bytes") for s in self.manifest["shards"]}
         self.refs: list[SampleRef] = []
         pos: dict[str, int] = {}
@@ -352,8 +358,20 @@ class FeatureSet:
             raise FeatureStoreError(f"feature shard {path} is damaged ({e}); re-run extract") from e
         self._open[name] = f
         while len(self._open) > self.max_open:
-            self._open.popitem(last=False)
+            self._tokens.pop(self._open.popitem(last=False)[0], None)
         return f
+
+    def _shard_tokens(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shard ``name``'s whole input_ids (int64) and loss_mask (bool), read once while it is open (9 bytes a
+        token: a sample's are then views, not a ``get_slice`` each, which parses nothing but costs ~0.1 ms)."""
+        f = self.shard(name)
+        if name not in self._tokens:
+            try:
+                self._tokens[name] = (f.get_tensor("input_ids"), f.get_tensor("loss_mask"))
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                raise FeatureStoreError(f"feature shard {self.path / name}: cannot read its token ids ({e}); "
+                                        "re-run extract") from e
+        return self._tokens[name]
 
     def _slice(self, ref: SampleRef, name: str) -> torch.Tensor:
         try:
@@ -365,14 +383,32 @@ class FeatureSet:
 
     def tokens(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids int64 (T,), loss_mask bool (T,)) of one sample, token hash checked; features not read."""
-        ids = self._slice(ref, "input_ids")
+        all_ids, all_mask = self._shard_tokens(ref.shard)
+        ids = all_ids[ref.start : ref.stop]
         got = token_hash(ids)
         if got != ref.token_hash:
             raise CaptureMismatch(
                 f"sample {ref.id!r} in {ref.shard}: token hash {got} != manifest {ref.token_hash}; "
                 "the features no longer belong to the token ids that were captured — re-run extract"
             )
-        return ids, self._slice(ref, "loss_mask")
+        return ids, all_mask[ref.start : ref.stop]
+
+    def tokens_many(self, refs: list[SampleRef]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`tokens` of each of ``refs``, in their order, read shard by shard: a packed row mixes samples of
+        many shards, and read in row order with ``max_open`` shards open nearly every sample would reopen one
+        (parsing its header, a tokens store's conversations included, again; benchmarks/token_reads.py)."""
+        return self._in_shard_order(refs, self.tokens)
+
+    def read_many(self, refs: list[SampleRef]) -> list[FeatureSample]:
+        """:meth:`read` of each of ``refs``, in their order, read shard by shard (see :meth:`tokens_many`)."""
+        return self._in_shard_order(refs, self.read)
+
+    @staticmethod
+    def _in_shard_order(refs: list[SampleRef], read) -> list:
+        out = [None] * len(refs)
+        for i in sorted(range(len(refs)), key=lambda i: (refs[i].shard, refs[i].start)):
+            out[i] = read(refs[i])
+        return out
 
     def read(self, ref: SampleRef) -> FeatureSample:
         """One sample (aux (T, L, H), last (T, H) in the store dtype), token hash checked. In a tokens store only

@@ -207,8 +207,9 @@ class BatchStream:
     """Packed rows read lazily from the feature store by a worker thread, ``prefetch`` batches ahead.
 
     Iterating yields ``(refs, Batch)`` per row, in order; the worker opens its own :class:`FeatureSet`
-    (memory-mapped shards, at most 2 open), checks every sample's features are finite and collates on the
-    CPU (pinned when ``pin``), so host memory holds ~``prefetch`` + 1 batches whatever the dataset size.
+    (memory-mapped shards, :data:`eaglepipe.features.MAX_OPEN` open, a row read shard by shard), checks every
+    sample's features are finite and collates on the CPU (pinned when ``pin``), so host memory holds
+    ~``prefetch`` + 1 batches whatever the dataset size.
     ``capture`` (online, a tokens store): the worker reads token ids only and the row's features come from
     ``capture`` (on its device); a tokens store without one, or a features store with one, raises
     FeatureStoreError. A worker error (TrainingError for a non-finite sample naming it and its shard,
@@ -226,10 +227,10 @@ class BatchStream:
     def _samples(self, fs: FeatureSet, row: list[SampleRef]) -> list[FeatureSample]:
         """The row's samples, read from the shards or (online) captured; TrainingError for non-finite ones."""
         if self.capture is None:
-            samples = [fs.read(ref) for ref in row]
+            samples = fs.read_many(row)  # shard by shard: each shard opened once a row
             where = lambda ref: f"in {self.features_dir / ref.shard}"  # noqa: E731
         else:
-            tokens = [fs.tokens(ref) for ref in row]
+            tokens = fs.tokens_many(row)
             feats = self.capture([ids for ids, _ in tokens])
             samples = [FeatureSample(r.id, ids, mask, aux, last) for r, (ids, mask), (aux, last) in zip(row, tokens, feats)]
             where = lambda ref: f"(of {self.features_dir / ref.shard}) computed online"  # noqa: E731

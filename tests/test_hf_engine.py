@@ -73,3 +73,18 @@ def test_bad_ids_and_generate(engine):
     ref = engine.model.generate(torch.tensor([[8, 9]]), max_new_tokens=4, do_sample=False, pad_token_id=0,
                                 eos_token_id=list(engine.eos_ids))[0, 2:].tolist()
     assert outs[1] == ref[: len(outs[1])]
+
+
+def test_sim_gap_scores_each_continuation_token_once(tiny_target):
+    """benchmarks/sim_gap.py's samples: the loss mask is over predictions (eaglepipe/template.py), so position t
+    is scored iff token t + 1 is one the target generated: every generated token once, no prompt token, and
+    features for every position."""
+    from benchmarks.sim_gap import samples_on
+
+    prompts = [{"id": "a", "input_ids": [5, 17, 33, 4]}, {"id": "b", "input_ids": [9, 10]}]
+    got = samples_on(HFEngine(tiny_target, batch_size=2), prompts, [1, 4], 6, "float32")
+    for p, s in zip(prompts, got):
+        scored = {t + 1 for t in torch.nonzero(s.loss_mask).flatten().tolist()}
+        assert len(s.input_ids) > len(p["input_ids"]) and s.input_ids[: len(p["input_ids"])].tolist() == p["input_ids"]
+        assert scored == set(range(len(p["input_ids"]), len(s.input_ids)))
+        assert s.aux.shape == (len(s.input_ids), 1, 32) and s.last.shape == (len(s.input_ids), 32)

@@ -98,6 +98,37 @@ def test_tokens_store_holds_tokens_text_and_the_gate_samples_features(stores):
     assert size(stores["tokens"]) < 0.5 * size(stores["features"])
 
 
+def test_a_row_mixing_shards_is_read_shard_by_shard_with_the_same_values(stores):
+    """FeatureSet.tokens_many / read_many (train's data thread): the samples of a row drawn from every shard, in
+    the row's order, equal to reading them one by one, each shard opened once with one shard open at most."""
+    opened = []
+
+    class Counting(FeatureSet):
+        def shard(self, name):
+            if name not in self._open:
+                opened.append(name)
+            return super().shard(name)
+
+    for store in ("tokens", "features"):
+        one = FeatureSet(stores[store])
+        row = one.refs[::-1][::2] + one.refs[1::4]  # every shard, interleaved, out of shard order
+        shards = {r.shard for r in row}
+        assert len(shards) >= 3
+        opened.clear()
+        many = Counting(stores[store], max_open=1)
+        got = many.tokens_many(row)
+        assert sorted(opened) == sorted(shards)  # once each
+        for (ids, mask), ref in zip(got, row):
+            want_ids, want_mask = one.tokens(ref)
+            assert torch.equal(ids, want_ids) and torch.equal(mask, want_mask) and len(ids) == ref.n_tokens
+        gate = [r for r in row if r.features]
+        for a, ref in zip(many.read_many(gate), gate):
+            b = one.read(ref)
+            assert a.id == ref.id and torch.equal(a.input_ids, b.input_ids) and torch.equal(a.aux, b.aux)
+            assert torch.equal(a.last, b.last)
+    assert FeatureSet(stores["tokens"]).max_open > FeatureSet(stores["features"]).max_open  # MAX_OPEN by store
+
+
 def test_online_features_equal_the_stored_ones(stores, peaked_target):
     """Over the rows of an epoch: every element equal, or one bf16 rounding step apart (≤ 2^-7 relative)."""
     ff, ft = FeatureSet(stores["features"]), FeatureSet(stores["tokens"])
