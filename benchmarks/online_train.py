@@ -7,8 +7,8 @@ offline (features read from the shards), at SmolLM2 shapes (the bundled target: 
 
 No DVC: both stores are written here, with eaglepipe's own writer and capture (random token sequences of
 seeded lengths, loss on their second half; the tokens store's shards carry stand-in conversation text of the
-size extract writes, ~5 bytes a token, whose parsing at each shard open cost the data thread ~50-80 ms a row
-before rows were read shard by shard: benchmarks/token_reads.py), then :func:`eaglepipe.train.train_drafter`
+size extract writes, ~5 bytes a token, whose parsing at each shard open cost the data thread 75-91 ms a row on
+a 2-core CPU before rows were read shard by shard: benchmarks/token_reads.py), then :func:`eaglepipe.train.train_drafter`
 runs one epoch on each with the same params. ``tokens_per_s`` is train_drafter's own figure (token positions / seconds of the epoch
 loop: reading or computing features, forward, backward, optimizer; set-up and evaluation excluded);
 ``wall_s`` is the whole call (online set-up includes one target forward a packed row for the top-1 mask).
@@ -140,7 +140,7 @@ def capture_only(store_dir: Path, target: Path, p: TrainParams, compile: bool) -
 
 
 def profiled(store_dir: Path, target: Path, p: TrainParams, scratch: Path, out_dir: Path) -> dict:
-    """One online train_drafter call under torch.profiler: writes ``out_dir``/profile_{cpu,cuda}.txt (top 30
+    """One train_drafter call (the store decides offline or online) under torch.profiler: writes ``out_dir``/profile_{cpu,cuda}.txt (top 30
     operators by self CPU / self CUDA time) and returns wall seconds, kernel seconds and their ratio."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

@@ -54,29 +54,39 @@ def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: i
     return out
 
 
-@torch.inference_mode()
-def sim(drafter_dir: Path, target_dir: Path, samples: list[FeatureSample], steps: int, decay: float,
-        max_tokens: int) -> dict:
-    """train_drafter's held-out evaluation (eaglepipe/train.py::evaluate: the fp32 teacher, bf16 autocast on
-    CUDA, :func:`eaglepipe.train.eval_summary`) over ``samples``: acc per TTT step, τ_sim, counted positions."""
+def simulator(drafter_dir: Path, target_dir: Path, steps: int, decay: float, max_tokens: int):
+    """The draft and the target head loaded once; returns ``simulate(samples) -> dict``: train_drafter's held-out
+    evaluation (eaglepipe/train.py::evaluate: the fp32 teacher, bf16 autocast on CUDA,
+    :func:`eaglepipe.train.eval_summary`) over ``samples``: acc per TTT step, τ_sim, counted positions."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     draft = load_draft(drafter_dir, dev).float()
     head = load_target_head(target_dir).to(dev)
 
-    def results():
-        for row in pack([len(s.input_ids) for s in samples], list(range(len(samples))), max_tokens):
-            b = collate([samples[i] for i in row]).to(dev)
-            soft = soft_targets(head, b.last, draft.t2d)
-            with autocast_for(dev):
-                yield ttt_unroll(draft, head.embed, b, soft, steps, decay)
+    @torch.inference_mode()
+    def simulate(samples: list[FeatureSample]) -> dict:
+        def results():
+            for row in pack([len(s.input_ids) for s in samples], list(range(len(samples))), max_tokens):
+                b = collate([samples[i] for i in row]).to(dev)
+                soft = soft_targets(head, b.last, draft.t2d)
+                with autocast_for(dev):
+                    yield ttt_unroll(draft, head.embed, b, soft, steps, decay)
 
-    ev = eval_summary(results(), steps)
-    return {"acc": [round(a, 4) for a in ev["acc"]], "tau_sim": round(ev["tau_sim"], 4), "positions": ev["positions"]}
+        ev = eval_summary(results(), steps)
+        return {"acc": [round(a, 4) for a in ev["acc"]], "tau_sim": round(ev["tau_sim"], 4),
+                "positions": ev["positions"]}
+
+    return simulate
+
+
+def sim(drafter_dir: Path, target_dir: Path, samples: list[FeatureSample], steps: int, decay: float,
+        max_tokens: int) -> dict:
+    """:func:`simulator` over one set of ``samples``."""
+    return simulator(drafter_dir, target_dir, steps, decay, max_tokens)(samples)
 
 
 def by_category(records: list[dict], samples: list[FeatureSample], simulate) -> dict:
     """τ_sim and per-step accuracy for each MT-bench category (records' ``category``; {} where there is none),
-    ``simulate`` = :func:`sim` over a subset: which kinds of prompt the draft has not learnt."""
+    ``simulate`` = :func:`simulator`'s function, over each subset: which kinds of prompt the draft has not learnt."""
     cat = {r["id"]: r.get("category") for r in records}
     groups: dict[str, list[FeatureSample]] = {}
     for s in samples:
@@ -117,10 +127,10 @@ def main() -> None:
     layers = cfg["layers"]
     samples = samples_on(engine, prompts, layers + [engine.n_layers], a.max_new, a.store_dtype)
     engine.close()
+    simulate = simulator(drafter, target, steps, decay, max_tokens)
     res = {"source": a.source, "prompts": len(prompts), "max_new_tokens": a.max_new, "layers": layers,
            "store_dtype": a.store_dtype, "ttt_steps": steps, "training_tau_sim": cfg.get("best_tau_sim"),
-           **sim(drafter, target, samples, steps, decay, max_tokens),
-           "by_category": by_category(records, samples, lambda ss: sim(drafter, target, ss, steps, decay, max_tokens)),
+           **simulate(samples), "by_category": by_category(records, samples, simulate),
            **({"reference": _served(target, drafter, layers, prompts, steps, a.max_new)} if a.reference else {}),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "seconds": round(time.perf_counter() - t0, 1)}
