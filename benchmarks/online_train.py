@@ -15,6 +15,9 @@ loop: reading or computing features, forward, backward, optimizer; set-up and ev
 ``peak_gib``: torch.cuda.max_memory_allocated over the call on CUDA; ``peak_rss_mib`` the process's peak RSS
 (ru_maxrss, monotone, so only the first row is that row's own). ``online_vs_offline`` = online / offline
 tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
+Two online modes: ``online`` (train.capture_stream, the default: the next rows' capture on a CUDA stream of its
+own, beside the step) and ``online_serial`` (capture_stream false: on the step's stream); on a CPU they are the
+same path. ``online_vs_offline`` gives each one's ratio.
 ``capture_only`` rows per engine dtype time the online capture alone over one epoch's rows (no training), the
 target eager (as train_drafter runs it) and, with --fast on CUDA, through torch.compile (HFEngine(compile=True)).
 ``--profile DIR``: one more offline and one more online epoch under torch.profiler (CPU and CUDA activity); DIR
@@ -47,6 +50,8 @@ from eaglepipe.train import train_drafter  # noqa: E402
 
 LAYERS = [2, 15, 27]  # params.yaml's default for SmolLM2 (N = 30)
 BUNDLED_GGUF = REPO / "bundled" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODES = {"offline": ("features", {}), "online": ("tokens", {}),  # mode → (store, TrainParams changed)
+         "online_serial": ("tokens", {"capture_stream": False})}
 
 
 def sequences(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -199,13 +204,15 @@ def main() -> None:
     for engine_dtype in a.engine_dtype:
         stores = write_stores(target, work, seqs, engine_dtype, a.store_dtype, a.shard_size)
         for rep in range(a.repeats):  # alternating, so warm-up and neighbours' load fall on both modes
-            for mode, store in (("offline", "features"), ("online", "tokens")):
-                r = run(stores[store], target, p, work / "train")
+            for mode, (store, over) in MODES.items():
+                r = run(stores[store], target, p.model_copy(update=over), work / "train")
                 rows.append({"mode": mode, "engine_dtype": engine_dtype, "repeat": rep, **r})
-            print(f"{mode:8s} engine {engine_dtype:9s} {r['tokens_per_s']:>10.1f} tok/s  {r['steps']} steps  "
-                  f"wall {r['wall_s']} s  peak {r['peak_gib']} GiB  store {r['store_bytes'] / 2**20:.1f} MiB", flush=True)
-        for mode, store in (("offline", "features"), ("online", "tokens")) if a.profile else ():  # before the
-            pr = profiled(stores[store], target, p, work / "train", Path(a.profile) / f"{mode}_{engine_dtype}")
+                print(f"{mode:13s} engine {engine_dtype:9s} {r['tokens_per_s']:>10.1f} tok/s  {r['steps']} steps  "
+                      f"wall {r['wall_s']} s  peak {r['peak_gib']} GiB  store {r['store_bytes'] / 2**20:.1f} MiB",
+                      flush=True)
+        for mode, (store, over) in MODES.items() if a.profile else ():  # before the
+            pr = profiled(stores[store], target, p.model_copy(update=over), work / "train",
+                          Path(a.profile) / f"{mode}_{engine_dtype}")
             rows.append({"mode": f"{mode}_profiled", "engine_dtype": engine_dtype, **pr})  # compiled capture
             print(f"profiled {mode} engine {engine_dtype}: {pr}", flush=True)
         for compiled in sorted({False, a.fast and torch.cuda.is_available()}):  # eager (as trained) and compiled
@@ -216,8 +223,8 @@ def main() -> None:
     ratio = {}
     for engine_dtype in a.engine_dtype:
         by = {mode: max(r["tokens_per_s"] for r in rows if (r["engine_dtype"], r["mode"]) == (engine_dtype, mode))
-              for mode in ("offline", "online")}
-        ratio[engine_dtype] = round(by["online"] / by["offline"], 3) if by["offline"] else None
+              for mode in MODES}
+        ratio[engine_dtype] = {m: round(by[m] / by["offline"], 3) if by["offline"] else None for m in MODES if m != "offline"}
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     res = {"device": dev, "torch": torch.__version__, "target": "SmolLM2-135M-Instruct (N 30, H 576)",
            "layers": LAYERS, "store_dtype": a.store_dtype,

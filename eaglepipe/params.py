@@ -117,6 +117,9 @@ class TrainParams(_Strict):
                                  "as speculators does by default")
     teacher_precision: Literal["fp32", "tf32", "bf16"] = Field(
         "fp32", description="precision of the target lm_head product for the soft targets on CUDA (CPU: fp32)")
+    capture_stream: bool = Field(True, description="online training on CUDA: the target's capture of the next "
+                                 "rows runs on a CUDA stream of its own, beside the training step (false: on the "
+                                 "training's stream, one after the other); same features either way")
 
 
 class ServeParams(_Strict):

@@ -212,15 +212,22 @@ class BatchStream:
     ~``prefetch`` + 1 batches whatever the dataset size.
     ``capture`` (online, a tokens store): the worker reads token ids only and the row's features come from
     ``capture`` (on its device); a tokens store without one, or a features store with one, raises
-    FeatureStoreError. A worker error (TrainingError for a non-finite sample naming it and its shard,
-    FeatureStoreError for a damaged shard or a store of the other kind) is raised in the consuming thread.
+    FeatureStoreError. ``side_stream`` (online on CUDA, ``train.capture_stream``): the worker captures on a CUDA
+    stream of its own, so the target's forward for the next rows overlaps the training step on the GPU; the
+    consumer's stream waits on an event recorded after each row, and the row's device tensors are marked used
+    by that stream (``Tensor.record_stream``) so the caching allocator does not hand their memory back to the
+    worker's stream while the step still reads them (PyTorch "CUDA semantics": streams, record_stream).
+    A worker error (TrainingError for a non-finite sample naming it and its shard, FeatureStoreError for a
+    damaged shard or a store of the other kind) is raised in the consuming thread.
     Leaving the loop early stops the worker.
     """
 
     def __init__(self, features_dir: Path, rows: list[list[SampleRef]], inv: dict | None = None,
-                 prefetch: int = PREFETCH, pin: bool = False, capture: OnlineCapture | None = None):
+                 prefetch: int = PREFETCH, pin: bool = False, capture: OnlineCapture | None = None,
+                 side_stream: bool = False):
         self.features_dir, self.rows, self.inv, self.pin = Path(features_dir), rows, inv, pin
         self.capture = capture
+        self.side = torch.cuda.Stream() if side_stream and capture is not None and torch.cuda.is_available() else None
         self.q: queue.Queue = queue.Queue(maxsize=prefetch)
         self.stop = threading.Event()
 
@@ -250,10 +257,12 @@ class BatchStream:
             else:
                 fs.require_store("tokens", "an online capture (which would recompute stored features)")
             for row in self.rows:
-                b = collate(self._samples(fs, row), self.inv)
+                with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
+                    b = collate(self._samples(fs, row), self.inv)
+                    ready = self.side.record_event() if self.side is not None else None
                 if self.pin:  # online features are already on the device: only host tensors are pinned
                     b = Batch(**{k: v if v is None or v.is_cuda else v.pin_memory() for k, v in vars(b).items()})
-                if not self._put((row, b)):
+                if not self._put((row, b, ready)):
                     return
             self._put(None)
         except BaseException as e:  # handed to the consumer, raised there
@@ -275,7 +284,14 @@ class BatchStream:
             while (item := self.q.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                row, b, ready = item
+                if ready is not None:  # captured on the worker's stream: order, and keep the memory (docstring)
+                    here = torch.cuda.current_stream()
+                    here.wait_event(ready)
+                    for t in vars(b).values():
+                        if t is not None and t.is_cuda:
+                            t.record_stream(here)
+                yield row, b
         finally:
             self.stop.set()
             worker.join()
@@ -461,7 +477,8 @@ class Run:
             return (module or self.model)(b, soft)
 
     def stream(self, rows: list[list[SampleRef]]) -> BatchStream:
-        return BatchStream(self.features_dir, rows, self.inv, pin=self.device.type == "cuda", capture=self.capture)
+        return BatchStream(self.features_dir, rows, self.inv, pin=self.device.type == "cuda", capture=self.capture,
+                           side_stream=self.p.capture_stream and self.device.type == "cuda")
 
 
 def _index(features_dir: Path, p: TrainParams, cfg_width: int) -> tuple[FeatureSet, list, list]:
@@ -527,8 +544,8 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
             f"{d.world} ranks × grad_accum {p.grad_accum} per epoch; lower train.batch_tokens or train.grad_accum")
     total = sum(per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup_steps, total))
-    key = run_key({"train": p.model_dump(), "features": fs.manifest.get("run_key"), "n": len(fs),
-                   "target": target_cfg, "world": d.world})
+    key = run_key({"train": p.model_dump(exclude={"capture_stream"}),  # it changes no result: resumable across it
+                   "features": fs.manifest.get("run_key"), "n": len(fs), "target": target_cfg, "world": d.world})
     return Run(d, device, p, features_dir, fs, train, held, lengths, inv, head, cfg, vstats, draft, unroll, model,
                opt, sched, total, Path(scratch_dir) / key / CKPT, capture)
 

@@ -184,6 +184,23 @@ def test_online_run_resumes_onto_the_same_curve(stores, peaked_target, tmp_path)
     assert resumed["losses"] == full["losses"] and resumed["evals"] == full["evals"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: train.capture_stream's side stream exists only there (CPU: one stream)")
+def test_rows_captured_on_a_side_stream_equal_the_serial_ones(stores, peaked_target):
+    """The online rows a side-stream capture hands over (event-ordered, record_stream) are the serial ones."""
+    ft = FeatureSet(stores["tokens"])
+    capture = OnlineCapture(peaked_target, ft.manifest, torch.device("cuda"))
+    rows = [[ft.refs[i] for i in r] for r in epoch_rows([r.n_tokens for r in ft.refs], 0, 0, max_tokens=160)]
+    serial = [b for _, b in BatchStream(stores["tokens"], rows, capture=capture)]
+    side = BatchStream(stores["tokens"], rows, capture=capture, side_stream=True, prefetch=2)
+    assert side.side is not None and len(serial) == len(rows) > 2
+    got = [b for _, b in side]
+    assert len(got) == len(serial)
+    for a, b in zip(got, serial):
+        for k, v in vars(b).items():
+            assert (v is None and getattr(a, k) is None) or torch.equal(getattr(a, k), v), k
+
+
 def test_a_mismatched_use_of_a_store_is_refused(stores, peaked_target):
     ft, ff = FeatureSet(stores["tokens"]), FeatureSet(stores["features"])
     with pytest.raises(FeatureStoreError, match="has no stored features: .* is a 'tokens' store"):

@@ -100,15 +100,23 @@ case ${1:-} in
      grep "RESULT\|Error" "$OUT/numerics_${part}_$E.log" | cut -c1-600; exit $status) ;;
   draft-data)  # issue 13: the GPU profile's pipeline up to the offset gate. vLLM regenerates with CUDA graphs, big
     # batches (eager, its generate sat at 0-11 % GPU: 219, 301, 409 s in windows 4-6 for the same 4.4 M tokens, as
-    # fast as the host's CPU); the gate's capture instance stays eager (GPU_VLLM_ARGS of its own call)
-    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024, "enforce_eager": false}' timeout 700 \
-      bash scripts/gpu_run.sh check_params target prompts extract > "$OUT/draft_data.log" 2>&1 &&
+    # fast as the host's CPU); the gate's capture instance stays eager (GPU_VLLM_ARGS of its own call). vLLM
+    # captures graphs up to batch 512 unless told (config/compilation.py: max_cudagraph_capture_size), so 1024 here.
+    # If that fails, extract goes on eager from its first missing shard (shards are written atomically, resumed).
+    G='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024, "enforce_eager": false,
+        "compilation_config": {"max_cudagraph_capture_size": 1024}}'
+    { GPU_VLLM_ARGS=$G timeout 900 bash scripts/gpu_run.sh check_params target prompts extract > "$OUT/draft_data.log" 2>&1 ||
+      GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024}' timeout 900 bash scripts/gpu_run.sh \
+        extract > "$OUT/draft_data_eager.log" 2>&1; } &&
     GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35}' timeout 300 bash scripts/gpu_run.sh validate_offsets \
       >> "$OUT/draft_data.log" 2>&1; rc=$?
-    grep "^=== \|Error" "$OUT/draft_data.log" | cut -c1-400; exit $rc ;;
-  draft-train)  # issue 13: online training (the target in the loop) and export
-    timeout 1500 bash scripts/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1; rc=$?
-    grep "^=== \|epoch .*tau_sim\|Error" "$OUT/draft_train.log" | cut -c1-400; exit $rc ;;
+    grep -h "^=== \|Error" "$OUT"/draft_data*.log | cut -c1-400; exit $rc ;;
+  draft-train)  # issue 13: online training (the target in the loop) and export; if it fails, once more with the
+    # capture on the step's stream (train.capture_stream false), resuming from the last checkpoint
+    timeout 1500 bash scripts/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1 ||
+      GPU_SET="${GPU_SET:-} train.capture_stream=false" timeout 1500 bash scripts/gpu_run.sh train_drafter export \
+        > "$OUT/draft_train_serial.log" 2>&1; rc=$?
+    grep -h "^=== \|epoch .*tau_sim\|Error" "$OUT"/draft_train*.log | cut -c1-400; exit $rc ;;
   draft-serve)  # issue 13: serve_eval (reference decoder, vLLM k=3 at batch 1 and 8), vLLM with CUDA graphs
     # (eager again if that start fails: the figures then say enforce_eager in reports/serve_eval.json's options)
     GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}' timeout 900 bash scripts/gpu_run.sh \
@@ -146,8 +154,8 @@ case ${1:-} in
        timeout 300 python3 benchmarks/sim_gap.py --target data/target --drafter data/drafter --source $src --n $n \
          --max-new 128 --out "$OUT/sim_gap_$src.json" > "$OUT/sim_gap_$src.log" 2>&1
        grep -h "RESULT\|Error" "$OUT/sim_gap_$src.log" | cut -c1-500; done) ;;
-  gpu-tests)  # tests/test_gpu.py (+ test_ttt.py: its CUDA cases) under each engine's environment (CI skips them)
-    (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py > "$OUT/gpu_tests_vllm.log" 2>&1; tail -4 "$OUT/gpu_tests_vllm.log")
+  gpu-tests)  # tests/test_gpu.py (+ test_ttt.py, test_online.py: their CUDA cases) under each engine's environment (CI skips them)
+    (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py tests/test_online.py::test_rows_captured_on_a_side_stream_equal_the_serial_ones > "$OUT/gpu_tests_vllm.log" 2>&1; tail -4 "$OUT/gpu_tests_vllm.log")
     (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
      timeout 300 python3 -m pytest -q -ra tests/test_gpu.py -k sglang > "$OUT/gpu_tests_sglang.log" 2>&1
      tail -4 "$OUT/gpu_tests_sglang.log") ;;
