@@ -3,9 +3,11 @@
     train   THERE (the GPU box), after the GPU profile's extract: drafts trained on the first n shards of its
             tokens store (n · extract.shard_size conversations), with the profile's own train params, online
             as train_drafter does (eaglepipe.train.train_drafter); one JSON per n (its summary's per-epoch τ_sim).
-    csv     HERE: those JSONs (and the full run's reports/train.json, if it ran) and the served τ of a draft's
+    csv     HERE: those JSONs (and full runs' reports/train.json, if they ran) and the served τ of a draft's
             kept epoch (--served) → benchmarks/h200/scaling.csv with columns conversations, epochs, tau_sim,
-            tau_reference, tau_vllm, tau_sglang (blank where not measured); `render` draws it as a PNG.
+            tau_reference, tau_vllm, tau_sglang (blank where not measured), then tokens_per_epoch (the training
+            split's token positions an epoch: two runs on the same conversations, one with later turns kept
+            (prompts.max_turns), differ there); `render` draws it as a PNG.
 
 The subsets share the full store's shards (symlinks) under a manifest that lists only their samples, so the
 features are the same computation; each draft holds out its own train.eval_fraction for τ_sim.
@@ -22,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-COLUMNS = ["conversations", "epochs", "tau_sim", "tau_reference", "tau_vllm", "tau_sglang"]
+COLUMNS = ["conversations", "epochs", "tau_sim", "tau_reference", "tau_vllm", "tau_sglang", "tokens_per_epoch"]
 
 
 def subset_store(features: Path, n_shards: int, out: Path) -> Path:
@@ -74,26 +76,40 @@ def _conversations(summary: dict) -> int:
     return summary["samples"]["train"] + summary["samples"]["eval"]
 
 
+def _tokens_per_epoch(summary: dict) -> int:
+    return round(summary["train_tokens"] / len(summary["evals"]))
+
+
 def _epoch_rows(summary: dict, conversations: int) -> list[dict]:
-    return [{"conversations": conversations, "epochs": int(k.removeprefix("epoch")) + 1, "tau_sim": v["tau_sim"]}
+    t = _tokens_per_epoch(summary)
+    return [{"conversations": conversations, "epochs": int(k.removeprefix("epoch")) + 1, "tau_sim": v["tau_sim"],
+             "tokens_per_epoch": t}
             for k, v in sorted(summary["evals"].items(), key=lambda kv: int(kv[0].removeprefix("epoch")))]
+
+
+def _run_of(best: dict, key: int) -> tuple:
+    """The one run whose conversations or tokens_per_epoch is ``key``; ValueError if none or several."""
+    hits = [k for k in best if key in k]
+    if len(hits) != 1:
+        raise ValueError(f"--served key {key}: {len(hits)} runs match {sorted(best)} (conversations, tokens_per_epoch); "
+                         "give the tokens_per_epoch of the one meant")
+    return hits[0]
 
 
 def to_csv(a) -> None:
     runs = [r for r in (json.loads(f.read_text()) for f in sorted(Path(a.runs).glob("scaling_*.json")))
             if not r.get("set")]  # the curve is of the profile's own settings; --set runs are compared apart
-    if a.train_report:  # the full run (stages/train_drafter.py's report)
-        runs.append(json.loads(Path(a.train_report).read_text()))
+    runs += [json.loads(Path(f).read_text()) for f in a.train_report]  # full runs (stages/train_drafter.py's report)
     rows, best = [], {}
     for s in runs:
         n = _conversations(s)
         rows += _epoch_rows(s, n)
-        best[n] = rows[len(rows) - len(s["evals"]) + s["best"]["epoch"]]  # the kept epoch: what is exported
-    for spec in a.served:  # ENGINE:CONVERSATIONS:FILE, a served (or reference) result of that draft
-        engine, n, f = spec.split(":", 2)
+        best[(n, _tokens_per_epoch(s))] = rows[len(rows) - len(s["evals"]) + s["best"]["epoch"]]  # the exported epoch
+    for spec in a.served:  # ENGINE:KEY:FILE, a served (or reference) result of that run's draft
+        engine, key, f = spec.split(":", 2)
         r = json.loads(Path(f).read_text())
-        best[int(n)][f"tau_{engine}"] = r.get(engine, r).get("tau") if engine == "reference" else r["tau"]
-    rows.sort(key=lambda r: (r["conversations"], r["epochs"]))
+        best[_run_of(best, int(key))][f"tau_{engine}"] = r.get(engine, r).get("tau") if engine == "reference" else r["tau"]
+    rows.sort(key=lambda r: (r["conversations"], r["tokens_per_epoch"], r["epochs"]))
     with open(a.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, COLUMNS)
         w.writeheader()
@@ -111,7 +127,7 @@ def render(a) -> None:
     w, h, pad = 900, 480, 60
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
-    taus = [float(r[c]) for r in rows for c in COLUMNS[2:] if r[c]]
+    taus = [float(r[c]) for r in rows for c in COLUMNS if c.startswith("tau_") and r[c]]
     lo, hi = 1.0, max(taus + [2.0]) + 0.1
     epochs = max(int(r["epochs"]) for r in rows)
     x = lambda e: pad + (e - 1) / max(epochs - 1, 1) * (w - 3 * pad)  # noqa: E731
@@ -124,18 +140,17 @@ def render(a) -> None:
     d.text((w // 2 - 60, h - 22), "epochs", fill="black")
     d.text((pad, 12), a.title, fill="black")
     colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
-    groups = sorted({int(r["conversations"]) for r in rows})
-    for i, n in enumerate(groups):
-        c = colours[i % len(colours)]
-        pts = [(x(int(r["epochs"])), y(float(r["tau_sim"]))) for r in rows if int(r["conversations"]) == n]
-        d.line(pts, fill=c, width=2)
-        d.text((w - 2 * pad + 8, 40 + 18 * i), f"{n} conv. tau_sim", fill=c)
-        for r in rows:
+    run = lambda r: (int(r["conversations"]), int(r["tokens_per_epoch"]))  # noqa: E731
+    for i, key in enumerate(sorted({run(r) for r in rows})):
+        c, mine = colours[i % len(colours)], [r for r in rows if run(r) == key]
+        d.line([(x(int(r["epochs"])), y(float(r["tau_sim"]))) for r in mine], fill=c, width=2)
+        d.text((w - 2 * pad + 8, 40 + 30 * i), f"{key[0]} conv.\n{key[1] / 1e6:.2f}M tok/epoch", fill=c)
+        for r in mine:
             for j, col in enumerate(("tau_reference", "tau_vllm", "tau_sglang")):
-                if int(r["conversations"]) == n and r[col]:
+                if r[col]:
                     px, py = x(int(r["epochs"])), y(float(r[col]))
                     d.rectangle([px - 4, py - 4, px + 4, py + 4], outline=c, width=2)
-                    d.text((px + 8, py - 6), f"{col.removeprefix('tau_')} {float(r[col]):.3f}", fill=c)
+                    d.text((px + 8, py - 8 + 12 * (j - 1)), f"{col.removeprefix('tau_')} {float(r[col]):.3f}", fill=c)
     img.save(a.out)
     print(f"wrote {a.out}")
 
@@ -154,9 +169,10 @@ def main() -> None:
     t.add_argument("--out", default="/tmp/out")
     c = sub.add_parser("csv")
     c.add_argument("--runs", required=True, help="folder of the scaling_*.json files")
-    c.add_argument("--train-report", default=None, help="the full run's reports/train.json, if it ran")
-    c.add_argument("--served", nargs="*", default=[], metavar="ENGINE:CONVERSATIONS:FILE",
-                   help="served τ of the draft trained on that many conversations: ENGINE vllm | sglang (a "
+    c.add_argument("--train-report", nargs="*", default=[], help="full runs' reports/train.json")
+    c.add_argument("--served", nargs="*", default=[], metavar="ENGINE:KEY:FILE",
+                   help="served τ of the draft of the run whose conversations (or, where two runs share them, "
+                   "tokens_per_epoch) is KEY: ENGINE vllm | sglang (a "
                    "benchmarks/h200_engines.py serve JSON) or reference (a serve_eval report or reference JSON)")
     c.add_argument("--out", default="benchmarks/h200/scaling.csv")
     r = sub.add_parser("render")

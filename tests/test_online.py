@@ -259,6 +259,38 @@ def test_regenerate_engine_writes_the_text_and_the_capture_engine_the_features(t
     assert messages(tmp_path / "vllm") == messages(tmp_path / "hf")
 
 
+def test_scaling_csv_tells_two_runs_on_the_same_conversations_apart(tmp_path):
+    """benchmarks/scaling.py csv: runs keyed by (conversations, tokens_per_epoch); a served τ goes to the run its
+    key names (its tokens_per_epoch where two share the conversations), and an ambiguous key is refused."""
+    import argparse
+    import csv
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.scaling import to_csv
+
+    def run(name, tokens, taus):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"samples": {"train": 90, "eval": 10}, "train_tokens": tokens * len(taus),
+                                 "evals": {f"epoch{i}": {"tau_sim": t} for i, t in enumerate(taus)},
+                                 "best": {"epoch": len(taus) - 1}}))
+        return str(f)
+
+    (tmp_path / "none").mkdir()
+    reports = [run("one_turn", 1000, [1.5, 1.8]), run("two_turns", 1600, [1.6, 1.9, 2.0])]
+    (tmp_path / "served.json").write_text(json.dumps({"tau": 1.7}))
+    a = argparse.Namespace(runs=str(tmp_path / "none"), train_report=reports, out=str(tmp_path / "s.csv"),
+                           served=[f"vllm:1600:{tmp_path / 'served.json'}"])
+    to_csv(a)
+    rows = list(csv.DictReader(open(a.out)))
+    assert [(r["tokens_per_epoch"], r["epochs"], r["tau_sim"], r["tau_vllm"]) for r in rows] == [
+        ("1000", "1", "1.5", ""), ("1000", "2", "1.8", ""),
+        ("1600", "1", "1.6", ""), ("1600", "2", "1.9", ""), ("1600", "3", "2.0", "1.7")]
+    assert {r["conversations"] for r in rows} == {"100"}
+    a.served = [f"vllm:100:{tmp_path / 'served.json'}"]
+    with pytest.raises(ValueError, match="2 runs match"):
+        to_csv(a)
+
+
 def test_scaling_subset_store_holds_the_first_shards(stores, tmp_path):
     """benchmarks/scaling.py's subsets: the first n shards' samples, their tokens read through the links."""
     sys.path.insert(0, str(REPO))

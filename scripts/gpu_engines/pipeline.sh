@@ -4,13 +4,13 @@
 # working trees), with OUT=/tmp/res; `suite.sh collect` returns what it wrote. The steps are suite.sh's own,
 # each bounded by its timeout; $OUT/steps.txt gets a line per step (exit code, seconds); $OUT/DONE marks the end.
 # The plan: the steps of $PLAN, one after the other (the third window's lesson: two online trainings and an
-# engine at once split the GPU, and the full draft's training did not finish). Default (seventh window: the
-# sixth window's kept draft, carry c08, lived only in that session's checkout, so a draft is trained again, on
-# more data: GPU_SET="prompts.max_turns=2 train.epochs=4", 28.6k exchanges against 16.3k): the data and the
-# gate (draft-data), online training + export (draft-train), the draft kept (draft-keep, then `suite.sh keep`
-# in a call of its own), served by SGLang (draft-sglang: never yet for a real draft), by vLLM (draft-vllm;
-# VDTYPES=bfloat16 for time), then issue 11's online vs offline with both epochs profiled (online).
-# A kept draft instead (c08 stashed after c01..c07, before setup): PLAN="draft-restore draft-sglang draft-extra".
+# engine at once split the GPU, and the full draft's training did not finish). Default (after the seventh
+# window, which trained a draft on the later turns too, GPU_SET="prompts.max_turns=2 train.epochs=4", kept it
+# as carry c08 and served it with SGLang and vLLM): issue 11's online vs online_serial vs offline with their
+# profiles (online), the CUDA tests, the side-stream one included (gpu-tests), then that kept draft back
+# (draft-restore: stash c08 after c01..c07, before setup; it fails without c08, and so does what follows)
+# served by vLLM at k=5 and on HumanEval (draft-extra). A new draft: PLAN="draft-data draft-train draft-keep
+# draft-sglang draft-vllm" (~25 min with carries and set-up, the seventh window's).
 # Hold the machine with `suite.sh watch` calls while it runs (suite.sh: why).
 # Together they need more than one 30-minute window: what did not finish is simply missing from `collect`'s
 # res.tgz.
@@ -23,5 +23,5 @@ step() {  # step ARGS...: one suite.sh step, a line in $OUT/steps.txt
   local t0=$SECONDS; $S "$@"; echo "$* rc=$? ${SECONDS}s-since-start $((SECONDS - t0))s" >> "$OUT/steps.txt"
 }
 echo "start $(date -u +%FT%TZ)" > "$OUT/steps.txt"
-for s in ${PLAN:-draft-data draft-train draft-keep draft-sglang draft-vllm online}; do step "$s"; done
+for s in ${PLAN:-online gpu-tests draft-restore draft-extra}; do step "$s"; done
 date -u +%FT%TZ > "$OUT/DONE"
