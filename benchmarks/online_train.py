@@ -20,9 +20,10 @@ own, beside the step) and ``online_serial`` (capture_stream false: on the step's
 same path. ``online_vs_offline`` gives each one's ratio.
 ``capture_only`` rows per engine dtype time the online capture alone over one epoch's rows (no training), the
 target eager (as train_drafter runs it) and, with --fast on CUDA, through torch.compile (HFEngine(compile=True)).
-``--profile DIR``: one more offline and one more online epoch under torch.profiler (CPU and CUDA activity); DIR
-gets each one's top operators by self CPU time and by CUDA time, and its ``*_profiled`` row the GPU's busy share
-of the call (kernel time / wall time): low means the step waits on the host (launches, Python, syncs).
+``--profile DIR``: one more epoch of each mode (offline, online, online_serial) under torch.profiler (CPU and
+CUDA activity); DIR gets each one's top operators by self CPU time and by CUDA time, and its ``*_profiled`` row
+the GPU's busy share of the call (kernel time / wall time): low means the step waits on the host (launches,
+Python, syncs).
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ def main() -> None:
     for engine_dtype in a.engine_dtype:
         by = {mode: max(r["tokens_per_s"] for r in rows if (r["engine_dtype"], r["mode"]) == (engine_dtype, mode))
               for mode in MODES}
-        ratio[engine_dtype] = {m: round(by[m] / by["offline"], 3) if by["offline"] else None for m in MODES if m != "offline"}
+        ratio[engine_dtype] = {m: round(by[m] / by["offline"], 3) if by["offline"] else None
+                               for m in MODES if m != "offline"}
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     res = {"device": dev, "torch": torch.__version__, "target": "SmolLM2-135M-Instruct (N 30, H 576)",
            "layers": LAYERS, "store_dtype": a.store_dtype,

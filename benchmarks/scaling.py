@@ -91,8 +91,8 @@ def _run_of(best: dict, key: int) -> tuple:
     """The one run whose conversations or tokens_per_epoch is ``key``; ValueError if none or several."""
     hits = [k for k in best if key in k]
     if len(hits) != 1:
-        raise ValueError(f"--served key {key}: {len(hits)} runs match {sorted(best)} (conversations, tokens_per_epoch); "
-                         "give the tokens_per_epoch of the one meant")
+        raise ValueError(f"--served key {key}: {len(hits)} runs match {sorted(best)} (conversations, "
+                         "tokens_per_epoch); give the tokens_per_epoch of the one meant")
     return hits[0]
 
 
@@ -108,7 +108,8 @@ def to_csv(a) -> None:
     for spec in a.served:  # ENGINE:KEY:FILE, a served (or reference) result of that run's draft
         engine, key, f = spec.split(":", 2)
         r = json.loads(Path(f).read_text())
-        best[_run_of(best, int(key))][f"tau_{engine}"] = r.get(engine, r).get("tau") if engine == "reference" else r["tau"]
+        tau = r.get(engine, r).get("tau") if engine == "reference" else r["tau"]
+        best[_run_of(best, int(key))][f"tau_{engine}"] = tau
     rows.sort(key=lambda r: (r["conversations"], r["tokens_per_epoch"], r["epochs"]))
     with open(a.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, COLUMNS)
