@@ -30,9 +30,10 @@ from . import convention
 from .engines import engine_version, get_engine
 from .features import FeatureSample, ShardWriter, non_finite, run_key, store_capture
 from .params import ExtractParams
+from .prompts import SYNTHETIC_SOURCE
 from .sources import code_hash
 from .target import TargetInfo
-from .template import generation_prompt, tokenize_conversation
+from .template import generation_prompt, tokenize_conversation, user_prompt
 
 log = logging.getLogger(__name__)
 
@@ -51,31 +52,61 @@ class ExtractStats:
     bytes_per_token: float
     resumed_shards: int
     quarantined: int  # samples left out because their features held NaN/inf (listed in the manifest)
+    synthetic: int = 0  # prompts.synthetic conversations asked for ...
+    synthetic_written: int = 0  # ... and written (the rest: an empty user turn, or quarantined)
 
 
 def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
     """Replace each assistant turn by the target's completion (greedy if p.temperature == 0).
 
-    Returns new records (``messages`` rewritten, ``regenerated: true``); a completion that decodes to empty
-    text keeps the original turn and is marked ``regenerate_empty``.
+    A ``synthetic`` record's empty user turns are written first by the target itself: sampled at
+    ``p.synthetic_temperature`` from :func:`eaglepipe.template.user_prompt` (Magpie, arXiv:2406.08464), then
+    answered like any other turn. Returns new records (``messages`` rewritten, ``regenerated: true``); a
+    completion that decodes to empty text keeps the original turn and is marked ``regenerate_empty`` (a
+    synthetic record whose user turn came out empty too: see :func:`drop_empty_synthetic`).
     """
     convs = [dict(c, messages=[dict(m) for m in c["messages"]]) for c in convs]
     n_turns = max(len(c["messages"]) for c in convs)
     for i in range(n_turns):
+        users = [c for c in convs if c.get("synthetic") and i < len(c["messages"])
+                 and c["messages"][i]["role"] == "user" and not c["messages"][i]["content"]]
+        if users:
+            outs = engine.generate([user_prompt(tok, c["messages"][:i]) for c in users], p.max_new_tokens,
+                                   p.synthetic_temperature, _synthetic_seed(users, p.seed, i))
+            _fill(tok, users, i, outs)
         todo = [c for c in convs if i < len(c["messages"]) and c["messages"][i]["role"] == "assistant"]
         if not todo:
             continue
         prompts = [generation_prompt(tok, c["messages"][:i]) for c in todo]
-        outs = engine.generate(prompts, p.max_new_tokens, p.temperature, p.seed + i)
-        for c, ids in zip(todo, outs):
-            text = tok.decode(ids, skip_special_tokens=True).strip()
-            if text:
-                c["messages"][i]["content"] = text
-            else:
-                c["regenerate_empty"] = True
+        _fill(tok, todo, i, engine.generate(prompts, p.max_new_tokens, p.temperature, p.seed + i))
         for c in todo:
             c["regenerated"] = True
     return convs
+
+
+def _fill(tok, convs: list[dict], i: int, outs: list[list[int]]) -> None:
+    for c, ids in zip(convs, outs):
+        text = tok.decode(ids, skip_special_tokens=True).strip()
+        if text:
+            c["messages"][i]["content"] = text
+        else:
+            c["regenerate_empty"] = True
+
+
+def _synthetic_seed(users: list[dict], seed: int, turn: int) -> int:
+    """The sampling seed of one generate call over synthetic records: vLLM and SGLang seed prompt j with
+    seed + j, so starting at the first record's number gives every record (consecutive ids, see
+    :func:`eaglepipe.prompts.synthetic_records`) its own seed, whatever shard it falls in."""
+    first = int(users[0]["id"].rsplit("-", 1)[-1])
+    return seed + 7919 * (turn + 1) + first
+
+
+def drop_empty_synthetic(convs: list[dict]) -> tuple[list[dict], int]:
+    """(the records without an empty synthetic user turn, how many were dropped): a user turn the target
+    left empty is no conversation to train on, so it is a counted skip, never an empty prompt."""
+    kept = [c for c in convs if not (c.get("synthetic") and any(
+        m["role"] == "user" and not m["content"] for m in c["messages"]))]
+    return kept, len(convs) - len(kept)
 
 
 def quarantine(samples: list[FeatureSample]) -> tuple[list[FeatureSample], list[dict]]:
@@ -157,7 +188,8 @@ def extract(
     if p.store == "tokens":  # what train_drafter's online capture needs to compute what this would have stored
         header.update(gate_samples=gate_samples, engine_dtype=p.engine_dtype)
     manifest = writer.finish(header, len(chunks))
-    return manifest, _stats(manifest, out_dir, timing, resumed)
+    n_synthetic = sum(bool(c.get("synthetic")) for c in convs)
+    return manifest, _stats(manifest, out_dir, timing, resumed, n_synthetic)
 
 
 @dataclass
@@ -201,11 +233,13 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
     a features store); the shard is captured whole when any does, none of it when none does."""
     if p.regenerate:
         t0 = time.perf_counter()
-        chunk = regenerate(engines.regenerate(), tok, chunk, p)
+        chunk, dropped = drop_empty_synthetic(regenerate(engines.regenerate(), tok, chunk, p))
         timing.generate += time.perf_counter() - t0
+        if dropped:
+            log.warning("%d synthetic conversations left out: the target wrote an empty user turn", dropped)
     toks = [tokenize_conversation(tok, conv["messages"], p.max_length) for conv in chunk]
     caps = [None] * len(chunk)
-    if gate:
+    if gate and chunk:
         t0 = time.perf_counter()
         engine = engines.capture()
         caps = engine.capture([t.input_ids.tolist() for t in toks], ids)  # per sample (T, L+1, H) float32
@@ -220,7 +254,7 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
     return samples, messages
 
 
-def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int) -> ExtractStats:
+def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int, n_synthetic: int) -> ExtractStats:
     totals = manifest["totals"]
     nbytes = sum((out_dir / shard["file"]).stat().st_size for shard in manifest["shards"])
     return ExtractStats(
@@ -228,4 +262,6 @@ def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int) -> Extr
         seconds=time.perf_counter() - timing.t0, capture_seconds=timing.capture, generate_seconds=timing.generate,
         tokens_per_s=timing.tokens / timing.capture if timing.capture else 0.0,
         bytes_per_token=nbytes / max(totals["tokens"], 1), resumed_shards=resumed, quarantined=totals["quarantined"],
+        synthetic=n_synthetic,
+        synthetic_written=sum(s["id"].startswith(f"{SYNTHETIC_SOURCE}-") for s in manifest["samples"]),
     )

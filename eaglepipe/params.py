@@ -39,6 +39,10 @@ class PromptsParams(_Strict):
     eval: int = Field(16, ge=0)
     mtbench: bool = True
     humaneval: int = Field(0, ge=0, le=164, description="HumanEval problems added to eval (a second benchmark)")
+    synthetic: int = Field(0, ge=0, description="self-written training conversations added to train (Magpie, Xu et "
+                           "al. 2024, arXiv:2406.08464): extract has the target write the user turn from its chat "
+                           "template's user header (extract.synthetic_temperature), then answer it; needs "
+                           "extract.regenerate")
     seed: int = 0
 
 
@@ -51,6 +55,8 @@ class ExtractParams(_Strict):
         "tokens store whose features the hf capture computes online")
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0)
+    synthetic_temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the user turns the "
+                                         "target writes for prompts.synthetic conversations (Magpie's 1.0)")
     seed: int = 0
     batch_size: int = Field(16, ge=1)
     max_length: int = Field(512, ge=8)
@@ -156,6 +162,15 @@ class Params(_Strict):
         problem = list_problem(v)
         if problem:
             raise ValueError(problem)
+        return v
+
+    @field_validator("extract")
+    @classmethod
+    def _synthetic_needs_regenerate(cls, v: ExtractParams, info: ValidationInfo) -> ExtractParams:
+        prompts = info.data.get("prompts")
+        if prompts is not None and prompts.synthetic and not v.regenerate:
+            raise ValueError(f"prompts.synthetic = {prompts.synthetic} needs extract.regenerate: true (the target "
+                             "writes those conversations' user and assistant turns); set it, or prompts.synthetic: 0")
         return v
 
 

@@ -315,6 +315,21 @@ def split(records: list[dict], n_train: int, n_eval: int, seed: int) -> tuple[li
     return tr, ev
 
 
+SYNTHETIC_SOURCE = "synthetic"
+
+
+def synthetic_records(n: int) -> list[dict]:
+    """``n`` placeholder conversations whose turns the target writes itself (Magpie, arXiv:2406.08464).
+
+    Each is one empty user turn and one empty assistant turn, ``"synthetic": true``; extract's
+    :func:`eaglepipe.extract.regenerate` samples the user turn from the chat template's user header and then
+    answers it like any other. Ids ``synthetic-000000`` … are consecutive (their sampling seeds derive from them).
+    """
+    return [{"id": f"{SYNTHETIC_SOURCE}-{i:06d}", "source": SYNTHETIC_SOURCE, "synthetic": True,
+             "messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]}
+            for i in range(n)]
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     """Write records one JSON object per line (through a temp file + rename)."""
     with atomic_path(path) as tmp, open(tmp, "w") as f:

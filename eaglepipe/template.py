@@ -80,3 +80,22 @@ def tokenize_conversation(tok, messages: list[dict], max_length: int) -> Tokeniz
 def generation_prompt(tok, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` followed by the template's assistant header (what the target completes)."""
     return tok(_render(tok, messages, True), add_special_tokens=False)["input_ids"]
+
+
+_QUERY = "\x00eaglepipe-user-turn\x00"  # a sentinel no template writes
+
+
+def user_prompt(tok, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` followed by the template's user header: what the target completes to write a
+    user turn itself (Magpie's pre-query template, arXiv:2406.08464 §2.1), e.g. SmolLM2's
+    ``<|im_start|>system\\n…<|im_end|>\\n<|im_start|>user\\n`` for no messages (its default system turn included).
+
+    Raises CaptureMismatch when the template renders no user header before the turn's content (the template
+    drops or rewrites an unexpected user message), since then there is no prefix to complete.
+    """
+    text = _render(tok, [*messages, {"role": "user", "content": _QUERY}], False)
+    head, found, _ = text.partition(_QUERY)
+    if not found or not head:
+        raise CaptureMismatch("chat template renders no user header before a user turn's content: the target "
+                              "cannot write user turns (prompts.synthetic) with this template; set it to 0")
+    return tok(head, add_special_tokens=False)["input_ids"]

