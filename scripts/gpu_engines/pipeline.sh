@@ -10,7 +10,9 @@
 # profiles (online), the CUDA tests, the side-stream one included (gpu-tests), then that kept draft back
 # (draft-restore: stash c08 after c01..c07, before setup; it fails without c08, and so does what follows)
 # served by vLLM at k=5 and on HumanEval (draft-extra). A new draft: PLAN="draft-data draft-train draft-keep
-# draft-sglang draft-vllm" (~25 min with carries and set-up, the seventh window's).
+# draft-sglang draft-vllm" (~25 min with carries and set-up, the seventh window's). Issue 13's next run (the
+# eighth window's, lost mid-training): that plan with GPU_SET="prompts.synthetic=16000 train.epochs=4
+# train.draft_vocab_size=16384" VDTYPES=bfloat16 (draft-data 566 s).
 # Hold the machine with `suite.sh watch` calls while it runs (suite.sh: why).
 # Together they need more than one 30-minute window: what did not finish is simply missing from `collect`'s
 # res.tgz.
