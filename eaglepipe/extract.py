@@ -30,7 +30,7 @@ from . import convention
 from .engines import engine_version, get_engine
 from .features import FeatureSample, ShardWriter, non_finite, run_key, store_capture
 from .params import ExtractParams
-from .prompts import SYNTHETIC_SOURCE
+from .prompts import is_synthetic
 from .sources import code_hash
 from .target import TargetInfo
 from .template import generation_prompt, tokenize_conversation, user_prompt
@@ -59,20 +59,20 @@ class ExtractStats:
 def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
     """Replace each assistant turn by the target's completion (greedy if p.temperature == 0).
 
-    A ``synthetic`` record's empty user turns are written first by the target itself: sampled at
-    ``p.synthetic_temperature`` from :func:`eaglepipe.template.user_prompt` (Magpie, arXiv:2406.08464), then
-    answered like any other turn. Returns new records (``messages`` rewritten, ``regenerated: true``); a
-    completion that decodes to empty text keeps the original turn and is marked ``regenerate_empty`` (a
+    A synthetic record's (:func:`eaglepipe.prompts.is_synthetic`) empty user turns are written first by the
+    target itself: sampled at ``p.synthetic_temperature`` from :func:`eaglepipe.template.user_prompt`
+    (Magpie, arXiv:2406.08464), then answered like any other turn. Returns new records (``messages``
+    rewritten, ``regenerated: true``); a completion that decodes to empty text keeps the original turn and is marked ``regenerate_empty`` (a
     synthetic record whose user turn came out empty too: see :func:`drop_empty_synthetic`).
     """
     convs = [dict(c, messages=[dict(m) for m in c["messages"]]) for c in convs]
     n_turns = max(len(c["messages"]) for c in convs)
     for i in range(n_turns):
-        users = [c for c in convs if c.get("synthetic") and i < len(c["messages"])
+        users = [c for c in convs if is_synthetic(c["id"]) and i < len(c["messages"])
                  and c["messages"][i]["role"] == "user" and not c["messages"][i]["content"]]
         if users:
             outs = engine.generate([user_prompt(tok, c["messages"][:i]) for c in users], p.max_new_tokens,
-                                   p.synthetic_temperature, _synthetic_seed(users, p.seed, i))
+                                   p.synthetic_temperature, _synthetic_seed(users, p.seed))
             _fill(tok, users, i, outs)
         todo = [c for c in convs if i < len(c["messages"]) and c["messages"][i]["role"] == "assistant"]
         if not todo:
@@ -93,18 +93,17 @@ def _fill(tok, convs: list[dict], i: int, outs: list[list[int]]) -> None:
             c["regenerate_empty"] = True
 
 
-def _synthetic_seed(users: list[dict], seed: int, turn: int) -> int:
+def _synthetic_seed(users: list[dict], seed: int) -> int:
     """The sampling seed of one generate call over synthetic records: vLLM and SGLang seed prompt j with
     seed + j, so starting at the first record's number gives every record (consecutive ids, see
     :func:`eaglepipe.prompts.synthetic_records`) its own seed, whatever shard it falls in."""
-    first = int(users[0]["id"].rsplit("-", 1)[-1])
-    return seed + 7919 * (turn + 1) + first
+    return seed + int(users[0]["id"].rsplit("-", 1)[-1])
 
 
 def drop_empty_synthetic(convs: list[dict]) -> tuple[list[dict], int]:
     """(the records without an empty synthetic user turn, how many were dropped): a user turn the target
     left empty is no conversation to train on, so it is a counted skip, never an empty prompt."""
-    kept = [c for c in convs if not (c.get("synthetic") and any(
+    kept = [c for c in convs if not (is_synthetic(c["id"]) and any(
         m["role"] == "user" and not m["content"] for m in c["messages"]))]
     return kept, len(convs) - len(kept)
 
@@ -188,7 +187,7 @@ def extract(
     if p.store == "tokens":  # what train_drafter's online capture needs to compute what this would have stored
         header.update(gate_samples=gate_samples, engine_dtype=p.engine_dtype)
     manifest = writer.finish(header, len(chunks))
-    n_synthetic = sum(bool(c.get("synthetic")) for c in convs)
+    n_synthetic = sum(is_synthetic(c["id"]) for c in convs)
     return manifest, _stats(manifest, out_dir, timing, resumed, n_synthetic)
 
 
@@ -263,5 +262,5 @@ def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int, n_synth
         tokens_per_s=timing.tokens / timing.capture if timing.capture else 0.0,
         bytes_per_token=nbytes / max(totals["tokens"], 1), resumed_shards=resumed, quarantined=totals["quarantined"],
         synthetic=n_synthetic,
-        synthetic_written=sum(s["id"].startswith(f"{SYNTHETIC_SOURCE}-") for s in manifest["samples"]),
+        synthetic_written=sum(is_synthetic(s["id"]) for s in manifest["samples"]),
     )

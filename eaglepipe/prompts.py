@@ -321,13 +321,18 @@ SYNTHETIC_SOURCE = "synthetic"
 def synthetic_records(n: int) -> list[dict]:
     """``n`` placeholder conversations whose turns the target writes itself (Magpie, arXiv:2406.08464).
 
-    Each is one empty user turn and one empty assistant turn, ``"synthetic": true``; extract's
-    :func:`eaglepipe.extract.regenerate` samples the user turn from the chat template's user header and then
-    answers it like any other. Ids ``synthetic-000000`` … are consecutive (their sampling seeds derive from them).
+    Each is one empty user turn and one empty assistant turn; extract's :func:`eaglepipe.extract.regenerate`
+    samples the user turn from the chat template's user header and then answers it like any other. Ids
+    ``synthetic-000000`` … are consecutive (their sampling seeds derive from them; :func:`is_synthetic`).
     """
-    return [{"id": f"{SYNTHETIC_SOURCE}-{i:06d}", "source": SYNTHETIC_SOURCE, "synthetic": True,
+    return [{"id": f"{SYNTHETIC_SOURCE}-{i:06d}", "source": SYNTHETIC_SOURCE,
              "messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]}
             for i in range(n)]
+
+
+def is_synthetic(sample_id: str) -> bool:
+    """Whether a record (or a feature store's sample) of this id is one of :func:`synthetic_records`."""
+    return sample_id.startswith(f"{SYNTHETIC_SOURCE}-")
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

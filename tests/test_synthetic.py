@@ -12,7 +12,7 @@ from safetensors import safe_open
 from eaglepipe.errors import CaptureMismatch, ParamsError
 from eaglepipe.extract import drop_empty_synthetic, extract, regenerate
 from eaglepipe.params import ExtractParams, load_params, parse_params
-from eaglepipe.prompts import synthetic_records
+from eaglepipe.prompts import is_synthetic, synthetic_records
 from eaglepipe.target import read_info
 from eaglepipe.template import generation_prompt, user_prompt
 from eaglepipe.tiny_targets import tiny_conversations
@@ -79,7 +79,7 @@ def test_target_writes_the_user_turn_then_answers_it(tiny_target, tmp_path):
     assert _extract(tiny_target, tmp_path / "b", convs, shard_size=1)[1] == messages
 
 
-def test_regenerate_leaves_records_without_the_flag_alone(tiny_target):
+def test_regenerate_leaves_empty_user_turns_of_other_records_alone(tiny_target):
     from eaglepipe.engines import get_engine
 
     t = _tok(tiny_target)
@@ -136,5 +136,5 @@ def test_prompts_stage_appends_the_placeholders_to_train_only(tmp_path):
     assert r.returncode == 0, r.stderr
     train, held_out = read_jsonl(tmp_path / "out" / "train.jsonl"), read_jsonl(tmp_path / "out" / "eval.jsonl")
     assert [t["id"] for t in train[4:]] == ["synthetic-000000", "synthetic-000001", "synthetic-000002"]
-    assert len(train) == 7 and not any(e.get("synthetic") for e in held_out)
+    assert len(train) == 7 and not any(is_synthetic(e["id"]) for e in held_out)
     assert json.loads((tmp_path / "m.json").read_text())["synthetic"] == 3
