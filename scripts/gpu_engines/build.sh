@@ -56,14 +56,20 @@ build_stage() {  # $1 = stage
   case $s in
     inputs)
       local w=data/drafter/model.safetensors
-      for e in vllm sglang; do
-        cmp -s "$w" data/export/$e/model.safetensors || { echo "data/export/$e holds other weights than $w: dvc repro first" >&2; exit 1; }
-      done
-      rmdir "$st/wheels"; mkdir -p "$st/draft" "$st/prompts"
+      rmdir "$st/wheels"
       cp -L bundled/SmolLM2-135M-Instruct.Q4_1.gguf "$st/"
-      cp "$w" "$st/draft/"; cp data/drafter/config.json "$st/draft/drafter.json"
-      cp data/export/vllm/config.json "$st/draft/vllm.json"; cp data/export/sglang/config.json "$st/draft/sglang.json"
-      cp data/prompts/train.jsonl data/prompts/eval.jsonl "$st/prompts/"
+      # The CPU draft and prompts serve only h200_engines.py's serve/extract/validate steps; the GPU profile's
+      # draft-* steps (gpu_run.sh) need the GGUF alone, so a checkout that has not run `dvc repro` packs just it.
+      if [ ! -f "$w" ]; then echo "  no $w (dvc repro not run): inputs = the GGUF only (enough for draft-*)"
+      else
+        for e in vllm sglang; do
+          cmp -s "$w" data/export/$e/model.safetensors || { echo "data/export/$e holds other weights than $w: dvc repro first" >&2; exit 1; }
+        done
+        mkdir -p "$st/draft" "$st/prompts"
+        cp "$w" "$st/draft/"; cp data/drafter/config.json "$st/draft/drafter.json"
+        cp data/export/vllm/config.json "$st/draft/vllm.json"; cp data/export/sglang/config.json "$st/draft/sglang.json"
+        cp data/prompts/train.jsonl data/prompts/eval.jsonl "$st/prompts/"
+      fi
       ;;
     data)  # the GPU profile's sources (scripts/gpu_run.sh puts them where eaglepipe's bundled/ links look)
       rmdir "$st/wheels"
