@@ -51,6 +51,11 @@ from eaglepipe.train import train_drafter  # noqa: E402
 
 LAYERS = [2, 15, 27]  # params.yaml's default for SmolLM2 (N = 30)
 BUNDLED_GGUF = REPO / "bundled" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2-135M's shapes (the bundled GGUF's config) for --random-target: tokens/s depends on shapes, not on
+# weight values, so a device without the GGUF (or its gguf reader) times the same computation
+SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
 MODES = {"offline": ("features", {}), "online": ("tokens", {}),  # mode → (store, TrainParams changed)
          "online_serial": ("tokens", {"capture_stream": False})}
 
@@ -171,6 +176,8 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="SmolLM2 HF folder (made from --gguf when missing); default "
                     "$EAGLEPIPE_CACHE or .cache/smollm2-135m-instruct")
     ap.add_argument("--gguf", default=str(BUNDLED_GGUF))
+    ap.add_argument("--random-target", action="store_true", help="--target made with SmolLM2-135M's shapes and "
+                    "random weights (eaglepipe.tiny_targets), not from --gguf")
     ap.add_argument("--work", default="/tmp/eaglepipe-online-bench")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "online_train_cpu.json"))
     ap.add_argument("--samples", type=int, default=24)
@@ -194,7 +201,12 @@ def main() -> None:
 
     target = Path(a.target or Path(os.environ.get("EAGLEPIPE_CACHE", REPO / ".cache")) / "smollm2-135m-instruct")
     if not (target / "config.json").exists():
-        materialize_target(a.gguf, target, "float32")
+        if a.random_target:
+            from eaglepipe.tiny_targets import build
+
+            build("llama", target, **SMOLLM2_SHAPES)
+        else:
+            materialize_target(a.gguf, target, "float32")
     info = read_info(target, hash_weights=False)
     seqs = sequences(a.samples, a.min_len, a.max_len, info.vocab_size, seed=0)
     p = TrainParams(draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt, epochs=1, warmup_steps=2,
@@ -228,7 +240,8 @@ def main() -> None:
         ratio[engine_dtype] = {m: round(by[m] / by["offline"], 3) if by["offline"] else None
                                for m in MODES if m != "offline"}
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    res = {"device": dev, "torch": torch.__version__, "target": "SmolLM2-135M-Instruct (N 30, H 576)",
+    res = {"device": dev, "torch": torch.__version__, "target": ("SmolLM2-135M shapes, random weights" if a.random_target else "SmolLM2-135M-Instruct")
+           + " (N 30, H 576)",
            "layers": LAYERS, "store_dtype": a.store_dtype,
            "setting": {"repeats": a.repeats, "samples": a.samples, "lengths": [a.min_len, a.max_len], "batch_tokens": a.batch_tokens,
                        "ttt_steps": a.ttt, "draft_vocab_size": a.draft_vocab, "fast": a.fast, "epochs": 1},

@@ -39,8 +39,9 @@ class OnlineCapture:
     """``capture(input_ids_list)`` → per sample (aux (T, L, H), last (T, H)) in the store dtype, on ``device``.
 
     token_budget: padded tokens per target forward (:meth:`HFEngine.capture`); None: 16 samples a forward.
-    compile: the target's forward through torch.compile (``HFEngine(compile=True)``; benchmarks/online_train.py's
-    capture_only rows; train_drafter runs it eager).
+    compile: the target's decoder layers through torch.compile (``HFEngine(compile=True)``,
+    :func:`eaglepipe.engines.hf.compile_layers`); train_drafter asks for it with ``train.fast`` on CUDA, and
+    benchmarks/online_train.py's capture_only rows time it against eager.
 
     Built from a tokens store's manifest (store, dtype, engine_dtype, capture_ids, target shape); raises
     FeatureStoreError for a features store or a target whose shape differs from the manifest's.
@@ -57,6 +58,7 @@ class OnlineCapture:
         self.ids = list(manifest["capture_ids"])
         self.dtype = manifest["dtype"]
         self.token_budget = token_budget  # padded tokens a forward (train: 2 × batch_tokens, one forward a row)
+        self.compiled = compile  # BatchStream then captures in its consuming thread (dynamo is not thread-safe)
         self.engine = HFEngine(target_dir, dtype=manifest["engine_dtype"], device=str(device),
                                compile=compile)
         want = manifest["target"]

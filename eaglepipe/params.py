@@ -118,7 +118,9 @@ class TrainParams(_Strict):
         "decreasing, less padding for fixed-shape batches); both report train padding_fraction")
     seed: int = 0
     fast: bool = Field(False, description="fast TTT step (ttt.ttt_unroll_fast: flex attention and torch.compile "
-                       "on CUDA, chunked soft cross-entropy); same results as the plain step")
+                       "on CUDA, chunked soft cross-entropy); same results as the plain step. Online (a tokens "
+                       "store) on CUDA it also compiles the target's decoder layers for the capture "
+                       "(engines.hf.compile_layers)")
     freeze_lm_head: bool = Field(False, description="keep lm_head at its init (the target's draft-vocab rows), "
                                  "as speculators does by default")
     teacher_precision: Literal["fp32", "tf32", "bf16"] = Field(

@@ -219,6 +219,10 @@ class BatchStream:
     worker's stream while the step still reads them (PyTorch "CUDA semantics": streams, record_stream).
     A worker error (TrainingError for a non-finite sample naming it and its shard, FeatureStoreError for a
     damaged shard or a store of the other kind) is raised in the consuming thread.
+    A compiled capture (``capture.compiled``, train.fast on CUDA) runs in the consuming thread instead, on its
+    stream, with the worker reading token ids: dynamo is not thread-safe, and a (re)compile in the worker while
+    the step runs its own compiled code failed on the H200 ("Detected that you are using FX to symbolically
+    trace a dynamo-optimized function"). Its kernels are queued before the step's, the host does not wait.
     Leaving the loop early stops the worker.
     """
 
@@ -227,20 +231,26 @@ class BatchStream:
                  side_stream: bool = False):
         self.features_dir, self.rows, self.inv, self.pin = Path(features_dir), rows, inv, pin
         self.capture = capture
-        self.side = torch.cuda.Stream() if side_stream and capture is not None and torch.cuda.is_available() else None
+        self.here = capture is not None and getattr(capture, "compiled", False)  # capture in the consuming thread
+        self.side = (torch.cuda.Stream() if side_stream and capture is not None and not self.here
+                     and torch.cuda.is_available() else None)
         self.q: queue.Queue = queue.Queue(maxsize=prefetch)
         self.stop = threading.Event()
 
     def _samples(self, fs: FeatureSet, row: list[SampleRef]) -> list[FeatureSample]:
         """The row's samples, read from the shards or (online) captured; TrainingError for non-finite ones."""
-        if self.capture is None:
-            samples = fs.read_many(row)  # shard by shard: each shard opened once a row
-            where = lambda ref: f"in {self.features_dir / ref.shard}"  # noqa: E731
-        else:
-            tokens = fs.tokens_many(row)
-            feats = self.capture([ids for ids, _ in tokens])
-            samples = [FeatureSample(r.id, ids, mask, aux, last) for r, (ids, mask), (aux, last) in zip(row, tokens, feats)]
-            where = lambda ref: f"(of {self.features_dir / ref.shard}) computed online"  # noqa: E731
+        if self.capture is not None:
+            return self._captured(row, fs.tokens_many(row))
+        samples = fs.read_many(row)  # shard by shard: each shard opened once a row
+        return self._checked(row, samples, lambda ref: f"in {self.features_dir / ref.shard}")
+
+    def _captured(self, row: list[SampleRef], tokens: list) -> list[FeatureSample]:
+        """Online: the row's features from ``capture`` over its (input_ids, loss_mask) ``tokens``."""
+        feats = self.capture([ids for ids, _ in tokens])
+        samples = [FeatureSample(r.id, ids, mask, aux, last) for r, (ids, mask), (aux, last) in zip(row, tokens, feats)]
+        return self._checked(row, samples, lambda ref: f"(of {self.features_dir / ref.shard}) computed online")
+
+    def _checked(self, row: list[SampleRef], samples: list[FeatureSample], where) -> list[FeatureSample]:
         found = first_non_finite(samples)
         if found is not None:
             ref, bad = row[found[0]], found[1]
@@ -257,6 +267,10 @@ class BatchStream:
             else:
                 fs.require_store("tokens", "an online capture (which would recompute stored features)")
             for row in self.rows:
+                if self.here:  # token ids only; the consuming thread captures (class docstring)
+                    if not self._put((row, fs.tokens_many(row), None)):
+                        return
+                    continue
                 with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
                     b = collate(self._samples(fs, row), self.inv)
                     ready = self.side.record_event() if self.side is not None else None
@@ -285,6 +299,8 @@ class BatchStream:
                 if isinstance(item, BaseException):
                     raise item
                 row, b, ready = item
+                if self.here:  # b: the row's token ids
+                    b = collate(self._captured(row, b), self.inv)
                 if ready is not None:  # captured on the worker's stream: order, and keep the memory (docstring)
                     here = torch.cuda.current_stream()
                     here.wait_event(ready)
@@ -524,7 +540,8 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
         draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
     draft.to(device)
     head = head.to(device)
-    capture = OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens) if fs.store == "tokens" else None
+    capture = (OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens,  # train.fast: its layers compiled
+                             compile=p.fast and device.type == "cuda") if fs.store == "tokens" else None)
     inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d, p.batch_tokens, capture)
     head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied
     draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)

@@ -10,6 +10,7 @@ on them gives the offline loss curve to ~1e-6.
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,31 @@ def test_rows_captured_on_a_side_stream_equal_the_serial_ones(stores, peaked_tar
     for a, b in zip(got, serial):
         for k, v in vars(b).items():
             assert (v is None and getattr(a, k) is None) or torch.equal(getattr(a, k), v), k
+
+
+def test_a_compiled_capture_runs_in_the_consuming_thread_and_gives_the_eager_rows(stores, peaked_target):
+    """train.fast on CUDA compiles the target's layers (engines.hf.compile_layers); the stream then captures in
+    the consuming thread (dynamo is not thread-safe: BatchStream's docstring) and its rows equal the eager
+    capture's to fp32 rounding (inductor's fused kernels; here on the CPU)."""
+    torch._dynamo.reset()
+    ft = FeatureSet(stores["tokens"])
+    eager = OnlineCapture(peaked_target, ft.manifest, torch.device("cpu"))
+    comp = OnlineCapture(peaked_target, ft.manifest, torch.device("cpu"), compile=True)
+    rows = [[ft.refs[i] for i in r] for r in epoch_rows([r.n_tokens for r in ft.refs], 0, 0, max_tokens=160)]
+    seen = []
+    comp.engine.capture = (lambda f: lambda *a, **k: (seen.append(threading.current_thread()), f(*a, **k))[1])(
+        comp.engine.capture)
+    here = BatchStream(stores["tokens"], rows, capture=comp, prefetch=2)
+    assert here.here and not BatchStream(stores["tokens"], rows, capture=eager).here
+    got = [b for _, b in here]
+    want = [b for _, b in BatchStream(stores["tokens"], rows, capture=eager)]
+    assert len(got) == len(want) == len(rows) > 2 and set(seen) == {threading.main_thread()}
+    for a, b in zip(got, want):
+        for k, v in vars(b).items():
+            if v is None or not v.is_floating_point():
+                assert (v is None and getattr(a, k) is None) or torch.equal(getattr(a, k), v), k
+            else:  # bf16 store: the fused kernels' fp32 rounding moves at most one bf16 step
+                torch.testing.assert_close(getattr(a, k).float(), v.float(), rtol=2**-7, atol=1e-5)
 
 
 def test_a_mismatched_use_of_a_store_is_refused(stores, peaked_target):

@@ -63,6 +63,27 @@ def _batches(order: list[int], lengths: list[int], size: int, token_budget: int 
     return [b for b in out if b]
 
 
+def compile_layers(layers) -> None:
+    """Regional compilation of ``layers`` (the N decoder layers, all of one class): one ``torch.compile`` of the
+    layer class's ``forward`` (inductor, dynamic batch and length), bound to each layer in place of its own.
+
+    A decoder layer is the target's unit of repetition, so the N layers share one graph (torch >= 2.5 passes a
+    module's parameters as graph inputs: PyTorch's "regional compilation" recipe) and inductor fuses the eager
+    model's memory-bound element-wise chains (RMSNorm's casts/pow/mean/rsqrt/mul, rotary's rotate_half,
+    SiLU × up, the residual adds) that dominate a small target's forward on a GPU. What stays eager is the part
+    around the layers: embeddings, rotary tables, the final norm and the boundary hooks of
+    :func:`boundary_hooks`, which run in each layer's ``__call__`` around the compiled ``forward``. Compiling
+    the whole base model instead (hooks traced) compiled for ~100 s and captured slower than eager on the
+    H200 (benchmarks/h200/online_train.json, fifth and eighth windows). Same values as eager up to the
+    fused kernels' rounding (tests/test_hf_engine.py).
+    """
+    import types
+
+    fwd = torch.compile(type(layers[0]).forward, dynamic=True)
+    for layer in layers:
+        layer.forward = types.MethodType(fwd, layer)
+
+
 class HFEngine(Engine):
     """transformers ``AutoModelForCausalLM`` on CPU or CUDA (chosen automatically)."""
 
@@ -82,11 +103,12 @@ class HFEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
-        # compile: capture's forward through torch.compile (inductor, dynamic batch and length; the boundary
-        # hooks are traced with it). Training runs eager: on the H200 it compiled for minutes with no faster
-        # epochs (scripts/gpu_engines/README.md, fifth window); benchmarks/online_train.py times both
+        # compile: the decoder layers through one torch.compile (compile_layers); the boundary hooks stay
+        # eager. benchmarks/online_train.py times it against eager (capture_only rows)
         self.compiled = compile
-        self._base = torch.compile(self.model.model, dynamic=True) if compile else self.model.model
+        self._base = self.model.model
+        if compile:
+            compile_layers(self.layers)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None and gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
