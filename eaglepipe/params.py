@@ -127,7 +127,9 @@ class TrainParams(_Strict):
         "fp32", description="precision of the target lm_head product for the soft targets on CUDA (CPU: fp32)")
     capture_stream: bool = Field(True, description="online training on CUDA: the target's capture of the next "
                                  "rows runs on a CUDA stream of its own, beside the training step (false: on the "
-                                 "training's stream, one after the other); same features either way")
+                                 "training's stream, one after the other); same features either way. Only for an eager capture: "
+                                 "with train.fast the capture is compiled and runs in the training thread, "
+                                 "where this has no effect (train.BatchStream)")
 
 
 class ServeParams(_Strict):
