@@ -16,10 +16,12 @@ loop: reading or computing features, forward, backward, optimizer; set-up and ev
 (ru_maxrss, monotone, so only the first row is that row's own). ``online_vs_offline`` = online / offline
 tokens/s per engine dtype, each the best of ``--repeats`` alternating runs (the issue's target on the H200: ≥ 0.7).
 Two online modes: ``online`` (train.capture_stream, the default: the next rows' capture on a CUDA stream of its
-own, beside the step) and ``online_serial`` (capture_stream false: on the step's stream); on a CPU they are the
-same path. ``online_vs_offline`` gives each one's ratio.
+own, beside the step) and ``online_serial`` (capture_stream false: on the step's stream); on a CPU, and with
+--fast on CUDA (train_drafter then compiles the capture and runs it in the training thread), they are the same
+path, and their spread is run-to-run noise. ``online_vs_offline`` gives each one's ratio.
 ``capture_only`` rows per engine dtype time the online capture alone over one epoch's rows (no training), the
-target eager (as train_drafter runs it) and, with --fast on CUDA, through torch.compile (HFEngine(compile=True)).
+target eager and, with --fast on CUDA, its layers compiled (HFEngine(compile=True), as train_drafter runs it then).
+``--random-target``: a target with SmolLM2-135M's shapes and random weights (no GGUF needed on the device).
 ``--profile DIR``: one more epoch of each mode (offline, online, online_serial) under torch.profiler (CPU and
 CUDA activity); DIR gets each one's top operators by self CPU time and by CUDA time, and its ``*_profiled`` row
 the GPU's busy share of the call (kernel time / wall time): low means the step waits on the host (launches,

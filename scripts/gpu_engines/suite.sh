@@ -189,13 +189,19 @@ case ${1:-} in
   watch)  # hold the machine up to $2 s (default 540) while pipeline runs: back as soon as a step ends, DONE
     # appears or a log gets a Traceback, with the steps so far and the running step's last lines. The machine is
     # given back 30 s after a call ends (the fifth window lost its run to a fix made between two calls), so
-    # call watch again at once, and make fixes inside a call (edit /tmp/repo from the command), not between
+    # call watch again at once, and make fixes inside a call (edit /tmp/repo from the command), not between.
+    # A fresh machine (the last one went back: no /tmp/res) returns at once instead of waiting S s for nothing
+    # (the ninth window lost 540 s so). Each call returns res.tgz (every JSON and log so far) and, once, a kept
+    # draft's parts (draft-keep), so a machine lost later loses only the step that was running.
+    [ -f /tmp/res/steps.txt ] || { echo "no pipeline here (/tmp/res missing): the machine was given back; start again"; exit 3; }
     n0=$(wc -l < /tmp/res/steps.txt); t0=$(cat /tmp/res/*.log 2>/dev/null | grep -c Traceback)
     for _ in $(seq $(( ${2:-540} / 5 ))); do
       [ -f /tmp/res/DONE ] || [ "$(wc -l < /tmp/res/steps.txt)" != "$n0" ] ||
         [ "$(cat /tmp/res/*.log 2>/dev/null | grep -c Traceback)" != "$t0" ] && break; sleep 5; done
     cat /tmp/res/steps.txt; f=$(ls -t /tmp/res/*.log | head -1); echo "--- $f"
     grep -a "^=== \|epoch \|RESULT\|Error" "$f" | tail -6 | cut -c1-300
+    tar -czf "$OUT/res.tgz" -C /tmp/res .
+    if [ -f /tmp/keep/drafter.sha256 ] && [ ! -f /tmp/keep/.returned ]; then cp /tmp/keep/* "$OUT/" && touch /tmp/keep/.returned; fi
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
     for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
