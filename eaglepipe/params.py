@@ -130,6 +130,10 @@ class TrainParams(_Strict):
                                  "training's stream, one after the other); same features either way. Only for an eager capture: "
                                  "with train.fast the capture is compiled and runs in the training thread, "
                                  "where this has no effect (train.BatchStream)")
+    compile_capture: bool = Field(True, description="with train.fast, online, on CUDA: the target's decoder layers "
+                                  "compiled for the capture (engines.hf.compile_layers; 2.4-2.7x the eager capture "
+                                  "on the H200). false: the eager capture (then capture_stream applies); same "
+                                  "features either way, so a run resumes across it")
 
 
 class ServeParams(_Strict):

@@ -541,7 +541,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     draft.to(device)
     head = head.to(device)
     capture = (OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens,  # train.fast: its layers compiled
-                             compile=p.fast and device.type == "cuda") if fs.store == "tokens" else None)
+                             compile=p.fast and p.compile_capture and device.type == "cuda") if fs.store == "tokens" else None)
     inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d, p.batch_tokens, capture)
     head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied
     draft.lm_head.weight.requires_grad_(not p.freeze_lm_head)
@@ -561,7 +561,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
             f"{d.world} ranks × grad_accum {p.grad_accum} per epoch; lower train.batch_tokens or train.grad_accum")
     total = sum(per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup_steps, total))
-    key = run_key({"train": p.model_dump(exclude={"capture_stream"}),  # it changes no result: resumable across it
+    key = run_key({"train": p.model_dump(exclude={"capture_stream", "compile_capture"}),  # no result changes: resumable
                    "features": fs.manifest.get("run_key"), "n": len(fs), "target": target_cfg, "world": d.world})
     return Run(d, device, p, features_dir, fs, train, held, lengths, inv, head, cfg, vstats, draft, unroll, model,
                opt, sched, total, Path(scratch_dir) / key / CKPT, capture)
