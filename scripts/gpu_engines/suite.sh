@@ -116,7 +116,7 @@ case ${1:-} in
     # from the last checkpoint (the same run key)
     timeout 1500 bash scripts/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1 ||
       GPU_SET="${GPU_SET:-} train.compile_capture=false" timeout 1500 bash scripts/gpu_run.sh train_drafter export \
-        > "$OUT/draft_train_serial.log" 2>&1; rc=$?
+        > "$OUT/draft_train_eager.log" 2>&1; rc=$?
     grep -h "^=== \|epoch .*tau_sim\|Error" "$OUT"/draft_train*.log | cut -c1-400; exit $rc ;;
   draft-serve)  # issue 13: serve_eval (reference decoder, vLLM k=3 at batch 1 and 8), vLLM with CUDA graphs
     # (eager again if that start fails: the figures then say enforce_eager in reports/serve_eval.json's options)
