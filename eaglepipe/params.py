@@ -128,7 +128,7 @@ class TrainParams(_Strict):
     capture_stream: bool = Field(True, description="online training on CUDA: the target's capture of the next "
                                  "rows runs on a CUDA stream of its own, beside the training step (false: on the "
                                  "training's stream, one after the other); same features either way. Only for an eager capture: "
-                                 "with train.fast the capture is compiled and runs in the training thread, "
+                                 "a compiled one (train.fast with compile_capture) runs in the training thread, "
                                  "where this has no effect (train.BatchStream)")
     compile_capture: bool = Field(True, description="with train.fast, online, on CUDA: the target's decoder layers "
                                   "compiled for the capture (engines.hf.compile_layers; 2.4-2.7x the eager capture "

@@ -540,7 +540,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
         draft.lm_head.weight.copy_(head.lm_head[vocab.t2d])  # (Vd, H)
     draft.to(device)
     head = head.to(device)
-    capture = (OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens,  # train.fast: its layers compiled
+    capture = (OnlineCapture(target_dir, fs.manifest, device, 2 * p.batch_tokens,  # fast + compile_capture: compiled
                              compile=p.fast and p.compile_capture and device.type == "cuda") if fs.store == "tokens" else None)
     inv = top1_in_vocab(head, features_dir, fs.refs, draft.t2d, p.batch_tokens, capture)
     head = head.draft_rows(draft.t2d)  # from here on only the draft rows of lm_head are multiplied

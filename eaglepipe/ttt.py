@@ -122,6 +122,16 @@ class TTTAttention:
 
 
 BLOCK = 128  # flex_attention's block size; the fast path pads the row to a multiple of it
+# flex_attention's Triton kernel needs head_dim >= 16 (torch/_inductor/kernel/flex/flex_attention.py, "NYI:
+# embedding dimension ... must be at least 16"; torch 2.11 on the H200, 2026-12-03): below it the plain attention
+FLEX_MIN_HEAD_DIM = 16
+
+
+def uses_flex(head_dim: int, device: torch.device | str) -> bool:
+    """Whether :func:`ttt_unroll_fast` attends through :class:`FlexTTTAttention` (padded rows) for a draft of
+    ``head_dim`` on ``device``: on CUDA with head_dim >= FLEX_MIN_HEAD_DIM; else the plain :class:`TTTAttention`
+    (flex_attention has no fast CPU kernel, and Inductor's has no kernel for smaller heads)."""
+    return torch.device(device).type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
 
 
 def ttt_mask_mod(doc: torch.Tensor):
@@ -372,12 +382,12 @@ def pad_batch(batch: Batch, T: int) -> Batch:
 def ttt_unroll_fast(
     draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float
 ) -> TTTResult:
-    """:func:`ttt_unroll` computed faster, same results. On CUDA the row is padded to a multiple of BLOCK
+    """:func:`ttt_unroll` computed faster, same results. On CUDA (head_dim >= 16: :func:`uses_flex`) the row is padded to a multiple of BLOCK
     (padding is a sample of its own, never counted) and attention runs through :class:`FlexTTTAttention`.
     Step j's soft targets p_{t+1+j} are the slice p[:, 1+j:] against logits[:, :T-1-j]: positions t ≥ T-1-j are
     never counted (nothing follows them in the row), so they are not computed."""
     T = batch.input_ids.shape[1]
-    flex = batch.input_ids.is_cuda
+    flex = uses_flex(draft.cfg.head_dim, batch.input_ids.device)
     Tp = -(-T // BLOCK) * BLOCK if flex else T
     aux = batch.aux if torch.is_autocast_enabled(batch.aux.device.type) else batch.aux.to(embed.dtype)  # no fp32 copy
     hidden = pad_to(draft.project(aux), Tp, 0.0)  # (B, Tp, H) step-0 hidden: fc(g_t)

@@ -33,19 +33,21 @@ def _case(T: int, seed: int):
     return b.to("cuda"), SoftTargets(p=soft.p.cuda(), top=soft.top.cuda(), top_in_vocab=soft.top_in_vocab.cuda())
 
 
-def _draft():
+def _draft(head_dim: int = 16):
     from eaglepipe.draft import DraftConfig, Eagle3Draft
 
     torch.manual_seed(0)
-    return Eagle3Draft(DraftConfig(32, 4, 2, 8, 64, 1e-6, 10000.0, 4096, 32, 3, 8, 99)).cuda()
+    return Eagle3Draft(DraftConfig(32, 32 // head_dim, 1, head_dim, 64, 1e-6, 10000.0, 4096, 32, 3, 8, 99)).cuda()
 
 
-def test_rows_padded_to_one_length_compile_the_draft_once():
+@pytest.mark.parametrize("head_dim", [16, 8])  # 16: flex_attention; 8: below its kernel's minimum, plain attention
+def test_rows_padded_to_one_length_compile_the_draft_once(head_dim):
     from torch._dynamo.utils import counters
 
-    from eaglepipe.ttt import compile_draft, pad_batch, padded_length, ttt_unroll
+    from eaglepipe.ttt import compile_draft, pad_batch, padded_length, ttt_unroll, uses_flex
 
-    draft, embed = _draft(), torch.randn(99, 32, device="cuda")
+    draft, embed = _draft(head_dim), torch.randn(99, 32, device="cuda")
+    assert uses_flex(head_dim, "cuda") == (head_dim >= 16)
     compile_draft(draft)
     T = padded_length(1000)  # 1024
     graphs = []
@@ -79,7 +81,7 @@ def test_tiny_kimi_through_the_cuda_engine_matches_transformers(engine, tmp_path
     the engine captures from h[2] on (benchmarks/h200_engines.py crosscheck, as run on the H200)."""
     pytest.importorskip(engine, reason=f"{engine} is not importable here (on the H200: source <(scripts/"
                                        f"gpu_engines/device.sh env {engine}))")
-    from benchmarks.h200_engines import crosscheck_rows
+    from benchmarks.h200_engines import GPU_SGLANG, crosscheck_rows
     from eaglepipe import convention
     from eaglepipe.target import materialize_target, read_info
     from eaglepipe.tiny_targets import build
@@ -88,7 +90,8 @@ def test_tiny_kimi_through_the_cuda_engine_matches_transformers(engine, tmp_path
     materialize_target(str(build("kimi_k2", tmp_path / "src")), target)
     info = read_info(target, hash_weights=False)
     bounds = sorted(set(range(2, info.n_layers)) & set(convention.capturable(engine, info.family, info.n_layers)))
-    opts = {"max_total_tokens": 2048} if engine == "sglang" else {}
+    # SGLang: the H200 options (triton attention: the carried sgl_kernel has no FA3, which MLA picks on Hopper)
+    opts = {**GPU_SGLANG, "max_total_tokens": 2048} if engine == "sglang" else {}
     rows = crosscheck_rows(engine, target, bounds, **opts)["layers"]
     assert [r["boundary"] for r in rows] == bounds and len(bounds) >= 3
     for r in rows:

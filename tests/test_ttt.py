@@ -97,7 +97,8 @@ def test_alignment_never_crosses_packed_samples():
 @pytest.fixture
 def draft():
     torch.manual_seed(0)
-    cfg = DraftConfig(32, 4, 2, 8, 64, 1e-6, 10000.0, 256, 32, 3, 8, 99)
+    # head_dim 16: flex_attention's CUDA kernel needs >= 16 (ttt.uses_flex), so the CUDA case runs flex
+    cfg = DraftConfig(32, 2, 1, 16, 64, 1e-6, 10000.0, 256, 32, 3, 8, 99)
     return Eagle3Draft(cfg)
 
 
@@ -311,3 +312,12 @@ def test_flex_attention_equals_dense_masked_attention():
         K, V = repeat_kv(torch.cat(ks, 2), 2), repeat_kv(torch.cat(vs, 2), 2)
         want = F.scaled_dot_product_attention(q, K, V, attn_mask=ttt_mask(doc, step))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_flex_attention_only_on_cuda_for_heads_of_16_or_more():
+    """ttt.uses_flex: Inductor's flex_attention kernel refuses head_dim < 16 (the H200, torch 2.11), and the CPU
+    has no fast flex kernel; the fast path attends plainly there (test_fast_path_equals_the_plain_path holds)."""
+    from eaglepipe.ttt import uses_flex
+
+    assert [uses_flex(hd, "cuda") for hd in (8, 15, 16, 64, 128)] == [False, False, True, True, True]
+    assert not uses_flex(128, "cpu") and uses_flex(64, torch.device("cuda", 1))
