@@ -382,10 +382,11 @@ def pad_batch(batch: Batch, T: int) -> Batch:
 def ttt_unroll_fast(
     draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float
 ) -> TTTResult:
-    """:func:`ttt_unroll` computed faster, same results. On CUDA (head_dim >= 16: :func:`uses_flex`) the row is padded to a multiple of BLOCK
-    (padding is a sample of its own, never counted) and attention runs through :class:`FlexTTTAttention`.
-    Step j's soft targets p_{t+1+j} are the slice p[:, 1+j:] against logits[:, :T-1-j]: positions t ≥ T-1-j are
-    never counted (nothing follows them in the row), so they are not computed."""
+    """:func:`ttt_unroll` computed faster, same results. On CUDA (head_dim >= 16: :func:`uses_flex`) the row is padded
+    to a multiple of BLOCK (padding is a sample of its own, never counted) and attention runs through
+    :class:`FlexTTTAttention`. Step j's soft targets p_{t+1+j} are the slice p[:, 1+j:] against
+    logits[:, :T-1-j]: positions t ≥ T-1-j are never counted (nothing follows them in the row), so they are not
+    computed."""
     T = batch.input_ids.shape[1]
     flex = uses_flex(draft.cfg.head_dim, batch.input_ids.device)
     Tp = -(-T // BLOCK) * BLOCK if flex else T
