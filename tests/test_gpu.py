@@ -91,7 +91,8 @@ def test_tiny_kimi_through_the_cuda_engine_matches_transformers(engine, tmp_path
     info = read_info(target, hash_weights=False)
     bounds = sorted(set(range(2, info.n_layers)) & set(convention.capturable(engine, info.family, info.n_layers)))
     # SGLang: the H200 options (triton attention: the carried sgl_kernel has no FA3, which MLA picks on Hopper)
-    opts = {**GPU_SGLANG, "max_total_tokens": 2048} if engine == "sglang" else {}
+    # (server arguments go in engine_kwargs: SGLangEngine drops unknown keyword arguments)
+    opts = {"max_total_tokens": 2048, "engine_kwargs": GPU_SGLANG} if engine == "sglang" else {}
     rows = crosscheck_rows(engine, target, bounds, **opts)["layers"]
     assert [r["boundary"] for r in rows] == bounds and len(bounds) >= 3
     for r in rows:
