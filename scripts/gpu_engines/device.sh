@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # ON THE DEVICE (the H200), from the repo root. Parts survive in /tmp/eng while the machine stays warm (~30 s).
 #   device.sh stash .gpu/carry/NN     copy this call's part(s) to /tmp/eng and check their sha256
-#   device.sh install vllm|sglang|inputs|data|drafter   concatenate the stage's parts, check the whole sha256, install
+#   device.sh install vllm|sglang|inputs|data|drafter|draftdata   concatenate the stage's parts, check the whole
+#                                     sha256, install
 #                                     (inputs: unpacked to /tmp/eng/inputs for benchmarks/h200_engines.py)
 #   source <(device.sh env vllm|sglang)   PYTHONPATH + engine env for the checks
 set -euo pipefail
-E=/tmp/eng
+E=${DEVICE_ENG:-/tmp/eng}
 case ${1:-} in
   stash)
-    mkdir -p $E; cp "$2"/*.part* "$2"/MANIFEST.sha256 $E/
+    # the manifests merge, a file's latest line winning: a kept draft (c08) and kept data (c09) stash together
+    mkdir -p $E; cp "$2"/*.part* $E/
+    { cat $E/MANIFEST.sha256 2>/dev/null || true; cat "$2"/MANIFEST.sha256; } |
+      awk '{m[$2] = $0} END {for (f in m) print m[f]}' > $E/MANIFEST.new
+    mv $E/MANIFEST.new $E/MANIFEST.sha256
     (cd $E && for p in $(cd "$OLDPWD/$2" && ls *.part*); do grep "  $p\$" MANIFEST.sha256; done | sha256sum -c -)
     ls -l $E ;;
   install)
     s=$2; site=/tmp/site; [ "$s" = sglang ] && site=/tmp/site-sgl; [ "$s" = inputs ] && site=$E/inputs
-    [ "$s" = data ] && site=$E/data; [ "$s" = drafter ] && site=$E/drafter
+    [ "$s" = data ] && site=$E/data; [ "$s" = drafter ] && site=$E/drafter; [ "$s" = draftdata ] && site=$E/draftdata
     ls $E/$s.tar.part* >/dev/null   # fails loudly when the machine went cold and /tmp/eng was lost
     cat $E/$s.tar.part* > $E/$s.tar
     (cd $E && grep "  $s.tar\$" MANIFEST.sha256 | sha256sum -c -)
     rm -f $E/$s.tar.part*
     rm -rf $E/$s; mkdir -p $E/$s $site; tar -xf $E/$s.tar -C $E/$s; rm -f $E/$s.tar
-    if [ "$s" = drafter ]; then echo "drafter in $site/drafter: $(ls $site/drafter)"; exit 0; fi
+    if [ "$s" = drafter ] || [ "$s" = draftdata ]; then echo "$s in $site: $(ls $site)"; exit 0; fi
     if [ "$s" = inputs ] || [ "$s" = data ]; then echo "$s in $site: $(ls $site)"; exit 0; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $E/$s/wheels/*.whl
     for t in $E/$s/*-tree.tar.xz; do tar -xJf "$t" -C $site; done   # pruned wheel trees = site-packages layout

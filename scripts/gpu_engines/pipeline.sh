@@ -12,7 +12,10 @@
 # served by vLLM at k=5 and on HumanEval (draft-extra). A new draft: PLAN="draft-data draft-train draft-keep
 # draft-sglang draft-vllm" (~25 min with carries and set-up, the seventh window's). Issue 13's next run (the
 # eighth window's, lost mid-training): that plan with GPU_SET="prompts.synthetic=16000 train.epochs=4
-# train.draft_vocab_size=16384" VDTYPES=bfloat16 (draft-data 566 s).
+# train.draft_vocab_size=16384" VDTYPES=bfloat16 (draft-data 566 s). Four windows in a row lost the machine
+# mid-run to a gap between calls (suite.sh watch), so each finished part now comes back: PLAN="draft-data data-keep
+# draft-train draft-keep draft-vllm draft-sglang draft-simgap"; a window after one lost past data-keep stashes c09
+# (keep_drafter.sh FILES_AT draftdata) and runs PLAN="data-restore draft-train draft-keep ..." (same GPU_SET).
 # Hold the machine with `suite.sh watch` calls while it runs (suite.sh: why).
 # Together they need more than one 30-minute window: what did not finish is simply missing from `collect`'s
 # res.tgz.

@@ -28,6 +28,8 @@
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (one call), and, in a later window, the carried parts back to data/drafter
 #                       + the stages up to export (HERE between them: scripts/gpu_engines/keep_drafter.sh FILES_AT)
+#   suite.sh data-keep | data-restore   the same for draft-data's output (data/features, data/validated.json):
+#                       a later window trains without regenerating (keep_drafter.sh FILES_AT draftdata → c09)
 #   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
 #   suite.sh pipeline   the steps of $PLAN (pipeline.sh: its default and why) one after the other, in one
 #                       background run in a copy of the repo; then
@@ -56,6 +58,7 @@ case ${1:-} in
     $d install vllm; $d install sglang; $d install inputs
     if ls /tmp/eng/data.tar.part* > /dev/null 2>&1; then $d install data; fi   # the GPU profile's sources (gpu_run.sh)
     if ls /tmp/eng/drafter.tar.part* > /dev/null 2>&1; then $d install drafter; fi   # a kept draft (draft-restore)
+    if ls /tmp/eng/draftdata.tar.part* > /dev/null 2>&1; then $d install draftdata; fi   # kept data (data-restore)
     (venv vllm; python3 -c "import sys; sys.path.insert(0, 'scripts/gpu_engines'); import check; check.build_model()")
     if [ "${CHECKS:-1}" = 1 ]; then  # CHECKS=0 saves ~2 min once the serve steps are known to work
       (venv vllm; python3 scripts/gpu_engines/check.py vllm > "$OUT/check_vllm.log" 2>&1) &
@@ -160,18 +163,28 @@ case ${1:-} in
     (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
      timeout 300 python3 -m pytest -q -ra tests/test_gpu.py -k sglang > "$OUT/gpu_tests_sglang.log" 2>&1
      tail -4 "$OUT/gpu_tests_sglang.log") ;;
-  draft-keep)  # issue 13: data/drafter as ≤ 15 MiB parts in /tmp/keep (the machine keeps nothing once given back);
-    # `suite.sh keep` copies them to $OUT in a call of their own, HERE `keep_drafter.sh FILES_AT` makes them carry
-    # c08, and a later window's `setup` + `draft-restore` serve that draft without draft-data and draft-train
-    rm -rf /tmp/keep; mkdir -p /tmp/keep; tar -cf /tmp/keep/drafter.tar -C data drafter || exit 1
-    (cd /tmp/keep && sha256sum drafter.tar > drafter.sha256 && split -b 15M -d drafter.tar drafter.tar.part &&
-     rm drafter.tar && ls -l) ;;
+  draft-keep|data-keep)  # issue 13: data/drafter (draft-keep), or draft-data's output, the tokens store and the
+    # gate's verdict (data-keep), as ≤ 15 MiB parts in /tmp/keep (the machine keeps nothing once given back). `watch`
+    # returns each kept set once (or `suite.sh keep` in a call of its own); HERE `keep_drafter.sh FILES_AT [NAME]`
+    # makes them carry c08 (drafter) or c09 (draftdata), and a later window's `setup` + `draft-restore` serves that
+    # draft without draft-data and draft-train, or `data-restore` trains without draft-data (the same GPU_SET)
+    name=drafter what=drafter; [ "$1" = data-keep ] && name=draftdata what="features validated.json"
+    mkdir -p /tmp/keep; rm -f /tmp/keep/$name.* /tmp/keep/.returned-$name
+    tar -cf /tmp/keep/$name.tar -C data $what || exit 1
+    (cd /tmp/keep && sha256sum $name.tar > $name.sha256 && split -b 15M -d $name.tar $name.tar.part &&
+     rm $name.tar && ls -l $name.*) ;;
   keep) cp /tmp/keep/* "$OUT/" && ls -l "$OUT" ;;
   draft-restore)  # the carried draft (c08, installed by setup) back in data/drafter; then the stages up to export
     [ -d /tmp/eng/drafter/drafter ] || { echo "no carried drafter in /tmp/eng/drafter (stash c08 before setup)"; exit 1; }
     rm -rf data/drafter; mkdir -p data; cp -r /tmp/eng/drafter/drafter data/drafter
     timeout 300 bash scripts/gpu_run.sh check_params target prompts export > "$OUT/draft_restore.log" 2>&1; rc=$?
     grep "^=== \|Error" "$OUT/draft_restore.log" | cut -c1-400; exit $rc ;;
+  data-restore)  # the carried draft-data output (c09, installed by setup) back in data/; target and prompts made
+    # again (deterministic, ~50 s), so draft-train follows as after draft-data (GPU_SET as when it was kept)
+    [ -d /tmp/eng/draftdata/features ] || { echo "no carried data in /tmp/eng/draftdata (stash c09 before setup)"; exit 1; }
+    rm -rf data/features data/validated.json; mkdir -p data; cp -r /tmp/eng/draftdata/* data/
+    timeout 300 bash scripts/gpu_run.sh check_params target prompts > "$OUT/data_restore.log" 2>&1; rc=$?
+    grep "^=== \|Error" "$OUT/data_restore.log" | cut -c1-400; exit $rc ;;
   sglang-moe)  # issue 12 item 5: which part of SGLang 0.5.17's DeepSeek path departs (benchmarks/sglang_moe_variants.py)
     (venv sglang; timeout 330 python3 benchmarks/sglang_moe_variants.py --out "$OUT" --work /tmp/w/moe --budget 270 \
        > "$OUT/sglang_moe.log" 2>&1; grep "RESULT\|Error" "$OUT/sglang_moe.log" | cut -c1-500) ;;
@@ -192,8 +205,8 @@ case ${1:-} in
     # given back 30 s after a call ends (the fifth window lost its run to a fix made between two calls), so
     # call watch again at once, and make fixes inside a call (edit /tmp/repo from the command), not between.
     # A fresh machine (the last one went back: no /tmp/res) returns at once instead of waiting S s for nothing
-    # (the ninth window lost 540 s so). Each call returns res.tgz (every JSON and log so far) and, once, a kept
-    # draft's parts (draft-keep), so a machine lost later loses only the step that was running.
+    # (the ninth window lost 540 s so). Each call returns res.tgz (every JSON and log so far) and, once each, the
+    # parts of what draft-keep and data-keep kept, so a machine lost later loses only the step that was running.
     [ -f /tmp/res/steps.txt ] || { echo "no pipeline here (/tmp/res missing): the machine was given back; start again"; exit 3; }
     n0=$(wc -l < /tmp/res/steps.txt); t0=$(cat /tmp/res/*.log 2>/dev/null | grep -c Traceback)
     for _ in $(seq $(( ${2:-540} / 5 ))); do
@@ -202,7 +215,8 @@ case ${1:-} in
     cat /tmp/res/steps.txt; f=$(ls -t /tmp/res/*.log | head -1); echo "--- $f"
     grep -a "^=== \|epoch \|RESULT\|Error" "$f" | tail -6 | cut -c1-300
     tar -czf "$OUT/res.tgz" -C /tmp/res .
-    if [ -f /tmp/keep/drafter.sha256 ] && [ ! -f /tmp/keep/.returned ]; then cp /tmp/keep/* "$OUT/" && touch /tmp/keep/.returned; fi
+    for k in /tmp/keep/*.sha256; do n=$(basename "$k" .sha256)  # each kept set once (draft-keep, data-keep)
+      [ -f "$k" ] && [ ! -f /tmp/keep/.returned-$n ] && cp /tmp/keep/$n.* "$OUT/" && touch /tmp/keep/.returned-$n; done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
     for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
