@@ -49,6 +49,7 @@ set -uo pipefail
 cd "${REPO_ROOT:-$(dirname "$0")/../..}"  # pipeline runs a copy of this folder, from the repo root
 d=scripts/gpu_engines/device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+KEEP=${KEEP:-/tmp/keep} RES=${RES:-/tmp/res}  # kept parts, the pipeline's results (tests/test_gpu_scripts.py: elsewhere)
 P=${P:-24}; NEW=${NEW:-128}; NCONV=${NCONV:-64}
 B="python3 benchmarks/h200_engines.py --out $OUT --prompts $P --max-new $NEW --n $NCONV"
 venv() { source <($d env "$1"); export PYTHONPATH="$PWD:$PYTHONPATH"; }
@@ -169,11 +170,11 @@ case ${1:-} in
     # makes them carry c08 (drafter) or c09 (draftdata), and a later window's `setup` + `draft-restore` serves that
     # draft without draft-data and draft-train, or `data-restore` trains without draft-data (the same GPU_SET)
     name=drafter what=drafter; [ "$1" = data-keep ] && name=draftdata what="features validated.json"
-    mkdir -p /tmp/keep; rm -f /tmp/keep/$name.* /tmp/keep/.returned-$name
-    tar -cf /tmp/keep/$name.tar -C data $what || exit 1
-    (cd /tmp/keep && sha256sum $name.tar > $name.sha256 && split -b 15M -d $name.tar $name.tar.part &&
+    mkdir -p $KEEP; rm -f $KEEP/$name.* $KEEP/.returned-$name
+    tar -cf $KEEP/$name.tar -C data $what || exit 1
+    (cd $KEEP && sha256sum $name.tar > $name.sha256 && split -b 15M -d $name.tar $name.tar.part &&
      rm $name.tar && ls -l $name.*) ;;
-  keep) cp /tmp/keep/* "$OUT/" && ls -l "$OUT" ;;
+  keep) cp $KEEP/* "$OUT/" && ls -l "$OUT" ;;
   draft-restore)  # the carried draft (c08, installed by setup) back in data/drafter; then the stages up to export
     [ -d /tmp/eng/drafter/drafter ] || { echo "no carried drafter in /tmp/eng/drafter (stash c08 before setup)"; exit 1; }
     rm -rf data/drafter; mkdir -p data; cp -r /tmp/eng/drafter/drafter data/drafter
@@ -196,10 +197,10 @@ case ${1:-} in
   pipeline)  # everything pending at once, in the background (pipeline.sh says what and in which order)
     # It runs in a copy of the repo: the working tree is sent again with every call (params.yaml, which
     # gpu_run.sh merges, included), and bash reads a script as it goes.
-    mkdir -p /tmp/res /tmp/repo; tar -cf - --exclude=./.gpu --exclude=./data . | tar -xf - -C /tmp/repo
-    REPO_ROOT=/tmp/repo OUT=/tmp/res setsid nohup bash /tmp/repo/scripts/gpu_engines/pipeline.sh \
-      > /tmp/res/pipeline.log 2>&1 < /dev/null &
-    sleep 5; cat /tmp/res/steps.txt ;;
+    mkdir -p $RES /tmp/repo; tar -cf - --exclude=./.gpu --exclude=./data . | tar -xf - -C /tmp/repo
+    REPO_ROOT=/tmp/repo OUT=$RES setsid nohup bash /tmp/repo/scripts/gpu_engines/pipeline.sh \
+      > $RES/pipeline.log 2>&1 < /dev/null &
+    sleep 5; cat $RES/steps.txt ;;
   watch)  # hold the machine up to $2 s (default 540) while pipeline runs: back as soon as a step ends, DONE
     # appears or a log gets a Traceback, with the steps so far and the running step's last lines. The machine is
     # given back 30 s after a call ends (the fifth window lost its run to a fix made between two calls), so
@@ -207,20 +208,20 @@ case ${1:-} in
     # A fresh machine (the last one went back: no /tmp/res) returns at once instead of waiting S s for nothing
     # (the ninth window lost 540 s so). Each call returns res.tgz (every JSON and log so far) and, once each, the
     # parts of what draft-keep and data-keep kept, so a machine lost later loses only the step that was running.
-    [ -f /tmp/res/steps.txt ] || { echo "no pipeline here (/tmp/res missing): the machine was given back; start again"; exit 3; }
-    n0=$(wc -l < /tmp/res/steps.txt); t0=$(cat /tmp/res/*.log 2>/dev/null | grep -c Traceback)
+    [ -f $RES/steps.txt ] || { echo "no pipeline here ($RES missing): the machine was given back; start again"; exit 3; }
+    n0=$(wc -l < $RES/steps.txt); t0=$(cat $RES/*.log 2>/dev/null | grep -c Traceback)
     for _ in $(seq $(( ${2:-540} / 5 ))); do
-      [ -f /tmp/res/DONE ] || [ "$(wc -l < /tmp/res/steps.txt)" != "$n0" ] ||
-        [ "$(cat /tmp/res/*.log 2>/dev/null | grep -c Traceback)" != "$t0" ] && break; sleep 5; done
-    cat /tmp/res/steps.txt; f=$(ls -t /tmp/res/*.log | head -1); echo "--- $f"
+      [ -f $RES/DONE ] || [ "$(wc -l < $RES/steps.txt)" != "$n0" ] ||
+        [ "$(cat $RES/*.log 2>/dev/null | grep -c Traceback)" != "$t0" ] && break; sleep 5; done
+    cat $RES/steps.txt; f=$(ls -t $RES/*.log | head -1); echo "--- $f"
     grep -a "^=== \|epoch \|RESULT\|Error" "$f" | tail -6 | cut -c1-300
-    tar -czf "$OUT/res.tgz" -C /tmp/res .
-    for k in /tmp/keep/*.sha256; do n=$(basename "$k" .sha256)  # each kept set once (draft-keep, data-keep)
-      [ -f "$k" ] && [ ! -f /tmp/keep/.returned-$n ] && cp /tmp/keep/$n.* "$OUT/" && touch /tmp/keep/.returned-$n; done
+    tar -czf "$OUT/res.tgz" -C $RES .
+    for k in $KEEP/*.sha256; do n=$(basename "$k" .sha256)  # each kept set once (draft-keep, data-keep)
+      [ -f "$k" ] && [ ! -f $KEEP/.returned-$n ] && cp $KEEP/$n.* "$OUT/" && touch $KEEP/.returned-$n; done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
-    for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f /tmp/res/DONE ] && break; sleep 5; done
-    tar -czf "$OUT/res.tgz" -C /tmp/res .; cat /tmp/res/steps.txt; grep -h "^RESULT" /tmp/res/*.log | cut -c1-300
-    grep -h "Error\|Traceback" /tmp/res/*.log | sort | uniq -c | sort -rn | head -20 | cut -c1-300 ;;
+    for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f $RES/DONE ] && break; sleep 5; done
+    tar -czf "$OUT/res.tgz" -C $RES .; cat $RES/steps.txt; grep -h "^RESULT" $RES/*.log | cut -c1-300
+    grep -h "Error\|Traceback" $RES/*.log | sort | uniq -c | sort -rn | head -20 | cut -c1-300 ;;
   *) sed -n 2,25p "$0"; exit 2 ;;
 esac

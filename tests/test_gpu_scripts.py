@@ -1,0 +1,108 @@
+"""The GPU window's keep path, run here on CPU with the real scripts (scripts/gpu_engines/): what one window
+finished (draft-data's tokens store, a trained draft) comes back in ≤ 15 MiB parts with `suite.sh watch`,
+becomes a carry folder with `keep_drafter.sh`, and a later window stashes and installs it byte for byte beside
+the wheels' carries. Four H200 windows in a row lost their machine mid-run, so this is what a run resumes from.
+(The stages that follow a restore, gpu_run.sh, need the H200 and its carried engines; not run here.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = ("suite.sh", "device.sh", "keep_drafter.sh")
+
+pytestmark = pytest.mark.skipif(shutil.which("split") is None or shutil.which("sha256sum") is None,
+                                reason="needs coreutils' split and sha256sum (the device machine's tools)")
+
+
+def _sh(repo: Path, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", *args], cwd=repo, env={**os.environ, **env}, capture_output=True, text=True,
+                          check=check, timeout=120)
+
+
+@pytest.fixture
+def window(tmp_path):
+    """A repo copy holding the three scripts, a stand-in data/ after draft-data (17 MB shard: two parts), a
+    finished pipeline's results folder, a stand-in wheels carry c01 and its MANIFEST; the env pointing
+    suite.sh's and device.sh's /tmp folders into tmp_path."""
+    repo = tmp_path / "repo"
+    (repo / "scripts/gpu_engines").mkdir(parents=True)
+    for s in SCRIPTS:
+        shutil.copy(REPO / "scripts/gpu_engines" / s, repo / "scripts/gpu_engines" / s)
+    feats = repo / "data/features"
+    feats.mkdir(parents=True)
+    (feats / "shard-00000.safetensors").write_bytes(os.urandom(17_000_000))
+    (feats / "manifest.json").write_text('{"store": "tokens"}')
+    (repo / "data/validated.json").write_text('{"ok": true}')
+    (repo / "data/drafter").mkdir()
+    (repo / "data/drafter/model.safetensors").write_bytes(os.urandom(1000))
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "steps.txt").write_text("start\ndraft-data rc=0\n")
+    (res / "DONE").write_text("done\n")
+    (res / "draft_data.log").write_text("=== extract: exit 0\n")
+    carry = repo / ".gpu/carry"
+    (carry / "c01").mkdir(parents=True)
+    (carry / "c01/vllm.tar.part00").write_bytes(b"wheels")
+    sha = subprocess.run(["sha256sum", "vllm.tar.part00"], cwd=carry / "c01", capture_output=True, text=True,
+                         check=True).stdout
+    manifest = f"{'0' * 64}  vllm.tar\n{sha}"
+    (carry / "MANIFEST.sha256").write_text(manifest)
+    (carry / "c01/MANIFEST.sha256").write_text(manifest)
+    env = {"REPO_ROOT": str(repo), "KEEP": str(tmp_path / "keep"), "RES": str(res), "DEVICE_ENG": str(tmp_path / "eng")}
+    return repo, env, tmp_path
+
+
+def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
+    repo, env, tmp = window
+    suite = "scripts/gpu_engines/suite.sh"
+    _sh(repo, {**env, "OUT": str(tmp / "out0")}, suite, "data-keep")
+    _sh(repo, {**env, "OUT": str(tmp / "out1")}, suite, "watch", "5", check=False)  # no nvidia-smi here: rc ≠ 0
+    got = sorted(p.name for p in (tmp / "out1").iterdir())
+    assert got == ["draftdata.sha256", "draftdata.tar.part00", "draftdata.tar.part01", "res.tgz"]
+    assert (tmp / "out1/draftdata.tar.part00").stat().st_size == 15 * 2**20
+    with tarfile.open(tmp / "out1/res.tgz") as t:
+        assert "./steps.txt" in t.getnames()
+    _sh(repo, {**env, "OUT": str(tmp / "out2")}, suite, "watch", "5", check=False)
+    assert sorted(p.name for p in (tmp / "out2").iterdir()) == ["res.tgz"]  # each kept set comes back once
+
+    _sh(repo, {**env, "OUT": str(tmp / "out0")}, suite, "draft-keep")  # then a trained draft, kept too
+    _sh(repo, {**env, "OUT": str(tmp / "out3")}, suite, "watch", "5", check=False)
+    assert sorted(p.name for p in (tmp / "out3").iterdir()) == ["drafter.sha256", "drafter.tar.part00", "res.tgz"]
+
+    r = _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out1"), "draftdata")
+    assert "carry .gpu/carry/c09" in r.stdout
+    assert "carry .gpu/carry/c08" in _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out3")).stdout
+    for c in ("c01", "c08", "c09"):  # a later window: the wheels' carry, then the kept ones; manifests merge
+        _sh(repo, env, "scripts/gpu_engines/device.sh", "stash", f".gpu/carry/{c}")
+    names = [line.split()[1] for line in (tmp / "eng/MANIFEST.sha256").read_text().splitlines()]
+    assert {"vllm.tar", "vllm.tar.part00", "drafter.tar", "draftdata.tar", "draftdata.tar.part00"} <= set(names)
+    for kept in ("drafter", "draftdata"):
+        _sh(repo, env, "scripts/gpu_engines/device.sh", "install", kept)
+    drafter = tmp / "eng/drafter/drafter/model.safetensors"
+    assert drafter.read_bytes() == (repo / "data/drafter/model.safetensors").read_bytes()
+    back = tmp / "eng/draftdata"
+    assert sorted(p.name for p in back.iterdir()) == ["features", "validated.json"]
+    for f in ("features/shard-00000.safetensors", "features/manifest.json", "validated.json"):
+        assert (back / f).read_bytes() == (repo / "data" / f).read_bytes(), f
+
+
+def test_parts_that_do_not_make_the_kept_tar_are_refused(window):
+    repo, env, tmp = window
+    _sh(repo, {**env, "OUT": str(tmp / "out0")}, "scripts/gpu_engines/suite.sh", "data-keep")
+    _sh(repo, {**env, "OUT": str(tmp / "out1")}, "scripts/gpu_engines/suite.sh", "watch", "5", check=False)
+    part = tmp / "out1/draftdata.tar.part01"
+    b = bytearray(part.read_bytes())
+    b[1000] ^= 0xFF  # one byte changed in transit
+    part.write_bytes(bytes(b))
+    r = _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out1"), "draftdata", check=False)
+    assert r.returncode == 1 and "do not make the draftdata.tar" in r.stderr
+    r = _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out1"), "features", check=False)
+    assert r.returncode == 2 and "drafter or draftdata" in r.stderr
