@@ -88,3 +88,17 @@ def test_sim_gap_scores_each_continuation_token_once(tiny_target):
         assert len(s.input_ids) > len(p["input_ids"]) and s.input_ids[: len(p["input_ids"])].tolist() == p["input_ids"]
         assert scored == set(range(len(p["input_ids"]), len(s.input_ids)))
         assert s.aux.shape == (len(s.input_ids), 1, 32) and s.last.shape == (len(s.input_ids), 32)
+
+
+def test_an_option_no_engine_takes_is_refused_before_anything_starts(tmp_path):
+    """get_engine: an engine's own argument passed bare (SGLang's attention_backend, vLLM's
+    gpu_memory_utilization) was dropped without a word; now refused, naming where it goes. Options that one
+    engine takes and another ignores (batch_size: hf and vllm; max_total_tokens: sglang) stay accepted."""
+    from eaglepipe.engines import engine_options, get_engine
+    from eaglepipe.errors import ParamsError
+
+    with pytest.raises(ParamsError, match=r"attention_backend are taken by no engine.*engine_kwargs"):
+        get_engine("sglang", tmp_path / "no-target", attention_backend="triton")
+    with pytest.raises(ParamsError, match=r"gpu_memory_utilization .*llm_kwargs"):
+        get_engine("vllm", tmp_path / "no-target", gpu_memory_utilization=0.3)
+    assert {"batch_size", "max_total_tokens", "engine_kwargs", "llm_kwargs", "dtype", "info"} <= engine_options()

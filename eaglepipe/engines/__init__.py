@@ -8,6 +8,7 @@ instance starts, so contract modules and tests never import vllm or sglang.
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 from ..engine_table import NAMES as ENGINES
@@ -30,6 +31,23 @@ def engine_class(name: str) -> type[Engine]:
     return getattr(importlib.import_module(TABLE[name].module), TABLE[name].cls)
 
 
+def engine_options() -> set[str]:
+    """The keyword options some engine's constructor names (callers pass one option set to any engine, and each
+    engine ignores the others' options)."""
+    names: set[str] = set()
+    for n in ENGINES:
+        for p in list(inspect.signature(engine_class(n).__init__).parameters.values())[2:]:  # after self, target
+            if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY:
+                names.add(p.name)
+    return names
+
+
 def get_engine(name: str, target_dir: str | Path, **opts) -> Engine:
-    """Start engine ``name`` on the HF target folder ``target_dir``. Raises ParamsError for an unknown name."""
+    """Start engine ``name`` on the HF target folder ``target_dir``. Raises ParamsError for an unknown name, or
+    for an option no engine takes (an engine's own arguments go in ``engine_kwargs`` for SGLang's ServerArgs,
+    ``llm_kwargs`` for vllm.LLM: passed bare, they were dropped without a word; the H200, 2026-12-03)."""
+    unknown = sorted(set(opts) - engine_options())
+    if unknown:
+        raise ParamsError(f"engine option(s) {', '.join(unknown)} are taken by no engine ({', '.join(ENGINES)}): "
+                          "SGLang server arguments go in engine_kwargs={...}, vllm.LLM arguments in llm_kwargs={...}")
     return engine_class(name)(Path(target_dir), **opts)
