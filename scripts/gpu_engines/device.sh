@@ -17,15 +17,14 @@ case ${1:-} in
     (cd $E && for p in $(cd "$OLDPWD/$2" && ls *.part*); do grep "  $p\$" MANIFEST.sha256; done | sha256sum -c -)
     ls -l $E ;;
   install)
-    s=$2; site=/tmp/site; [ "$s" = sglang ] && site=/tmp/site-sgl; [ "$s" = inputs ] && site=$E/inputs
-    [ "$s" = data ] && site=$E/data; [ "$s" = drafter ] && site=$E/drafter; [ "$s" = draftdata ] && site=$E/draftdata
+    s=$2; site=/tmp/site; [ "$s" = sglang ] && site=/tmp/site-sgl
+    case $s in inputs|data|drafter|draftdata) site=$E/$s ;; esac   # files, not wheels: unpacked only
     ls $E/$s.tar.part* >/dev/null   # fails loudly when the machine went cold and /tmp/eng was lost
     cat $E/$s.tar.part* > $E/$s.tar
     (cd $E && grep "  $s.tar\$" MANIFEST.sha256 | sha256sum -c -)
     rm -f $E/$s.tar.part*
     rm -rf $E/$s; mkdir -p $E/$s $site; tar -xf $E/$s.tar -C $E/$s; rm -f $E/$s.tar
-    if [ "$s" = drafter ] || [ "$s" = draftdata ]; then echo "$s in $site: $(ls $site)"; exit 0; fi
-    if [ "$s" = inputs ] || [ "$s" = data ]; then echo "$s in $site: $(ls $site)"; exit 0; fi
+    [ "$site" = $E/$s ] && { echo "$s in $site: $(ls $site)"; exit 0; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $E/$s/wheels/*.whl
     for t in $E/$s/*-tree.tar.xz; do tar -xJf "$t" -C $site; done   # pruned wheel trees = site-packages layout
     echo "installed stage $s into $site: $(du -sm $site | cut -f1) MiB" ;;

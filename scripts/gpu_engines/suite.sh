@@ -175,17 +175,16 @@ case ${1:-} in
     (cd $KEEP && sha256sum $name.tar > $name.sha256 && split -b 15M -d $name.tar $name.tar.part &&
      rm $name.tar && ls -l $name.*) ;;
   keep) cp $KEEP/* "$OUT/" && ls -l "$OUT" ;;
-  draft-restore)  # the carried draft (c08, installed by setup) back in data/drafter; then the stages up to export
-    [ -d /tmp/eng/drafter/drafter ] || { echo "no carried drafter in /tmp/eng/drafter (stash c08 before setup)"; exit 1; }
-    rm -rf data/drafter; mkdir -p data; cp -r /tmp/eng/drafter/drafter data/drafter
-    timeout 300 bash scripts/gpu_run.sh check_params target prompts export > "$OUT/draft_restore.log" 2>&1; rc=$?
-    grep "^=== \|Error" "$OUT/draft_restore.log" | cut -c1-400; exit $rc ;;
-  data-restore)  # the carried draft-data output (c09, installed by setup) back in data/; target and prompts made
-    # again (deterministic, ~50 s), so draft-train follows as after draft-data (GPU_SET as when it was kept)
-    [ -d /tmp/eng/draftdata/features ] || { echo "no carried data in /tmp/eng/draftdata (stash c09 before setup)"; exit 1; }
-    rm -rf data/features data/validated.json; mkdir -p data; cp -r /tmp/eng/draftdata/* data/
-    timeout 300 bash scripts/gpu_run.sh check_params target prompts > "$OUT/data_restore.log" 2>&1; rc=$?
-    grep "^=== \|Error" "$OUT/data_restore.log" | cut -c1-400; exit $rc ;;
+  draft-restore|data-restore)  # a kept set (installed by setup) back in data/, then the stages it needs:
+    # draft-restore: c08's draft + the stages up to export; data-restore: c09's tokens store and gate verdict +
+    # target and prompts (deterministic, ~50 s), so draft-train follows (GPU_SET as when it was kept)
+    name=drafter c=c08 stages="check_params target prompts export"
+    [ "$1" = data-restore ] && name=draftdata c=c09 stages="check_params target prompts"
+    src=/tmp/eng/$name; log="$OUT/${1/-/_}.log"
+    [ -n "$(ls -A $src 2>/dev/null)" ] || { echo "no carried $name in $src (stash $c before setup)"; exit 1; }
+    mkdir -p data; for x in $src/*; do rm -rf "data/$(basename "$x")"; done; cp -r $src/* data/
+    timeout 300 bash scripts/gpu_run.sh $stages > "$log" 2>&1; rc=$?
+    grep "^=== \|Error" "$log" | cut -c1-400; exit $rc ;;
   sglang-moe)  # issue 12 item 5: which part of SGLang 0.5.17's DeepSeek path departs (benchmarks/sglang_moe_variants.py)
     (venv sglang; timeout 330 python3 benchmarks/sglang_moe_variants.py --out "$OUT" --work /tmp/w/moe --budget 270 \
        > "$OUT/sglang_moe.log" 2>&1; grep "RESULT\|Error" "$OUT/sglang_moe.log" | cut -c1-500) ;;
