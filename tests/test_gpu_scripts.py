@@ -29,7 +29,7 @@ def _sh(repo: Path, env: dict, *args: str, check: bool = True) -> subprocess.Com
 
 @pytest.fixture
 def window(tmp_path):
-    """A repo copy holding the three scripts, a stand-in data/ after draft-data (17 MB shard: two parts), a
+    """A repo copy holding the three scripts, a stand-in data/ after draft-data (a 70 MB shard: five parts), a
     finished pipeline's results folder, a stand-in wheels carry c01 and its MANIFEST; the env pointing
     suite.sh's and device.sh's /tmp folders into tmp_path."""
     repo = tmp_path / "repo"
@@ -38,7 +38,7 @@ def window(tmp_path):
         shutil.copy(REPO / "scripts/gpu_engines" / s, repo / "scripts/gpu_engines" / s)
     feats = repo / "data/features"
     feats.mkdir(parents=True)
-    (feats / "shard-00000.safetensors").write_bytes(os.urandom(17_000_000))
+    (feats / "shard-00000.safetensors").write_bytes(os.urandom(70_000_000))
     (feats / "manifest.json").write_text('{"store": "tokens"}')
     (repo / "data/validated.json").write_text('{"ok": true}')
     (repo / "data/drafter").mkdir()
@@ -60,27 +60,36 @@ def window(tmp_path):
     return repo, env, tmp_path
 
 
+def _watch(repo: Path, env: dict, out: Path) -> list[str]:
+    _sh(repo, {**env, "OUT": str(out)}, "scripts/gpu_engines/suite.sh", "watch", "600", check=False)  # rc ≠ 0:
+    return sorted(p.name for p in out.iterdir())  # no nvidia-smi here; 600 s: a wait would time the call out
+
+
 def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
     repo, env, tmp = window
     suite = "scripts/gpu_engines/suite.sh"
     _sh(repo, {**env, "OUT": str(tmp / "out0")}, suite, "data-keep")
-    _sh(repo, {**env, "OUT": str(tmp / "out1")}, suite, "watch", "5", check=False)  # no nvidia-smi here: rc ≠ 0
-    got = sorted(p.name for p in (tmp / "out1").iterdir())
-    assert got == ["draftdata.sha256", "draftdata.tar.part00", "draftdata.tar.part01", "res.tgz"]
+    # the device returns ≤ 8 files, 64 MiB a call: ≤ 3 parts a watch, at once while some are left, each once
+    parts = [f"draftdata.tar.part0{i}" for i in range(5)]
+    assert _watch(repo, env, tmp / "out1") == ["draftdata.sha256", *parts[:3], "res.tgz"]
     assert (tmp / "out1/draftdata.tar.part00").stat().st_size == 15 * 2**20
     with tarfile.open(tmp / "out1/res.tgz") as t:
         assert "./steps.txt" in t.getnames()
-    _sh(repo, {**env, "OUT": str(tmp / "out2")}, suite, "watch", "5", check=False)
-    assert sorted(p.name for p in (tmp / "out2").iterdir()) == ["res.tgz"]  # each kept set comes back once
+    (tmp / "res/DONE").rename(tmp / "res/DONE.later")  # the pipeline still running: a watch would wait 600 s ...
+    assert _watch(repo, env, tmp / "out2") == ["draftdata.sha256", *parts[3:], "res.tgz"]  # ... but parts are left
+    (tmp / "res/DONE.later").rename(tmp / "res/DONE")
+    assert _watch(repo, env, tmp / "out2b") == ["res.tgz"]
 
     _sh(repo, {**env, "OUT": str(tmp / "out0")}, suite, "draft-keep")  # then a trained draft, kept too
     _sh(repo, {**env, "OUT": str(tmp / "out3")}, suite, "watch", "5", check=False)
     assert sorted(p.name for p in (tmp / "out3").iterdir()) == ["drafter.sha256", "drafter.tar.part00", "res.tgz"]
 
-    r = _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out1"), "draftdata")
-    assert "carry .gpu/carry/c09" in r.stdout
-    assert "carry .gpu/carry/c08" in _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out3")).stdout
-    for c in ("c01", "c08", "c09"):  # a later window: the wheels' carry, then the kept ones; manifests merge
+    keep = "scripts/gpu_engines/keep_drafter.sh"
+    r = _sh(repo, env, keep, "draftdata", str(tmp / "out1"), str(tmp / "out2"))  # ≤ 4 parts (60 MiB) a carry
+    assert "carry .gpu/carry/c09: " in r.stdout and "carry .gpu/carry/c09b: " in r.stdout
+    assert sorted(p.name for p in (repo / ".gpu/carry/c09b").iterdir()) == ["MANIFEST.sha256", parts[4]]
+    assert "carry .gpu/carry/c08: " in _sh(repo, env, keep, "drafter", str(tmp / "out3")).stdout
+    for c in ("c01", "c08", "c09", "c09b"):  # a later window: the wheels' carry, then the kept ones; manifests merge
         _sh(repo, env, "scripts/gpu_engines/device.sh", "stash", f".gpu/carry/{c}")
     names = [line.split()[1] for line in (tmp / "eng/MANIFEST.sha256").read_text().splitlines()]
     assert {"vllm.tar", "vllm.tar.part00", "drafter.tar", "draftdata.tar", "draftdata.tar.part00"} <= set(names)
@@ -102,7 +111,11 @@ def test_parts_that_do_not_make_the_kept_tar_are_refused(window):
     b = bytearray(part.read_bytes())
     b[1000] ^= 0xFF  # one byte changed in transit
     part.write_bytes(bytes(b))
-    r = _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out1"), "draftdata", check=False)
+    _sh(repo, {**env, "OUT": str(tmp / "out2")}, "scripts/gpu_engines/suite.sh", "watch", "5", check=False)
+    keep = "scripts/gpu_engines/keep_drafter.sh"
+    r = _sh(repo, env, keep, "draftdata", str(tmp / "out1"), str(tmp / "out2"), check=False)
     assert r.returncode == 1 and "do not make the draftdata.tar" in r.stderr
-    r = _sh(repo, env, "scripts/gpu_engines/keep_drafter.sh", str(tmp / "out1"), "features", check=False)
+    r = _sh(repo, env, keep, "draftdata", str(tmp / "out2"), check=False)  # a part missing: refused too
+    assert r.returncode == 1 and "do not make the draftdata.tar" in r.stderr
+    r = _sh(repo, env, keep, "features", str(tmp / "out1"), check=False)
     assert r.returncode == 2 and "drafter or draftdata" in r.stderr

@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# HERE, after a device call brought back NAME.tar.part* and NAME.sha256 (suite.sh draft-keep: NAME drafter, the
-# default; suite.sh data-keep: NAME draftdata): make them carry folder .gpu/carry/c08 (drafter) or c09 (draftdata),
-# whose MANIFEST.sha256 is the wheels' (c01..c07) plus the kept tar's, so
-#   device.sh stash .gpu/carry/c08|c09   (after c01..c06)   and `suite.sh setup` installs it, `suite.sh draft-restore`
-# puts the draft back in data/drafter, `suite.sh data-restore` the tokens store in data/features.
-# Usage: scripts/gpu_engines/keep_drafter.sh FILES_AT [drafter|draftdata]
+# HERE, after device calls brought back NAME.tar.part* and NAME.sha256 (suite.sh draft-keep: NAME drafter;
+# suite.sh data-keep: NAME draftdata), perhaps over several `watch` calls (each returns ≤ 3 parts: the device
+# sends back ≤ 8 files, 64 MiB): make them carry folders of ≤ 4 parts each (a call carries ≤ 64 MiB, the
+# working tree included): .gpu/carry/c08, c08b, ... (drafter) or c09, c09b, ... (draftdata). Each folder's
+# MANIFEST.sha256 is the wheels' (c01..c07) plus the kept tar's and its own parts', so
+#   device.sh stash .gpu/carry/c09 ; ... c09b   (after c01..c06)   and `suite.sh setup` installs the set,
+# `suite.sh draft-restore` puts the draft back in data/drafter, `suite.sh data-restore` the tokens store in data/.
+# Usage: scripts/gpu_engines/keep_drafter.sh drafter|draftdata FILES_AT...
 set -euo pipefail
-src=${1:?FILES_AT: the folder that the files of the keep call came back to}
-name=${2:-drafter}
-case $name in drafter) cn=c08 ;; draftdata) cn=c09 ;; *) echo "NAME: drafter or draftdata, not $name" >&2; exit 2 ;; esac
+name=${1:-}
+case $name in drafter) cn=c08 ;; draftdata) cn=c09 ;; *) echo "NAME: drafter or draftdata, not '$name'" >&2; exit 2 ;; esac
+shift; [ $# -ge 1 ] || { echo "FILES_AT: the folder(s) the kept parts came back to" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 c=.gpu/carry
 [ -f $c/MANIFEST.sha256 ] || { echo "$c/MANIFEST.sha256 missing: build the carry first (scripts/gpu_engines/build.sh)" >&2; exit 1; }
-ls "$src"/$name.tar.part* > /dev/null
-rm -rf $c/$cn; mkdir -p $c/$cn
-cp "$src"/$name.tar.part* $c/$cn/
-cat "$src"/$name.tar.part* | sha256sum | sed "s/-\$/$name.tar/" | diff - "$src/$name.sha256" > /dev/null ||
-  { echo "the parts in $src do not make the $name.tar of $name.sha256" >&2; exit 1; }
-{ grep -v "  $name.tar" $c/MANIFEST.sha256; cat "$src/$name.sha256"; (cd $c/$cn && sha256sum $name.tar.part*); } \
-  > $c/$cn/MANIFEST.sha256
-echo "carry $c/$cn: $(ls $c/$cn | tr '\n' ' ')($(du -sm $c/$cn | cut -f1) MiB)"
+got=$(mktemp -d); trap 'rm -rf "$got"' EXIT
+for src in "$@"; do cp "$src"/$name.* "$got"/ 2>/dev/null || true; done
+ls "$got"/$name.tar.part* > /dev/null 2>&1 && [ -f "$got/$name.sha256" ] ||
+  { echo "no $name.tar.part* with $name.sha256 in $*" >&2; exit 1; }
+cat "$got"/$name.tar.part* | sha256sum | sed "s/-\$/$name.tar/" | diff - "$got/$name.sha256" > /dev/null ||
+  { echo "the parts in $* do not make the $name.tar of $name.sha256 (one missing or changed)" >&2; exit 1; }
+rm -rf $c/$cn $c/${cn}[b-h]
+parts=("$got"/$name.tar.part*); suffix=("" b c d e f g h)
+[ ${#parts[@]} -le 32 ] || { echo "${#parts[@]} parts: more than 8 carry folders (32 parts) hold" >&2; exit 1; }
+for ((i = 0; i < ${#parts[@]}; i += 4)); do
+  f=$c/$cn${suffix[i / 4]}; mkdir -p "$f"; cp "${parts[@]:i:4}" "$f"/
+  { grep -v "  $name.tar" $c/MANIFEST.sha256; cat "$got/$name.sha256"; (cd "$f" && sha256sum $name.tar.part*); } \
+    > "$f"/MANIFEST.sha256
+  echo "carry $f: $(ls "$f" | tr '\n' ' ')($(du -sm "$f" | cut -f1) MiB)"
+done

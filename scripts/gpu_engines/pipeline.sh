@@ -14,8 +14,9 @@
 # eighth window's, lost mid-training): that plan with GPU_SET="prompts.synthetic=16000 train.epochs=4
 # train.draft_vocab_size=16384" VDTYPES=bfloat16 (draft-data 566 s). Four windows in a row lost the machine
 # mid-run to a gap between calls (suite.sh watch), so each finished part now comes back: PLAN="draft-data data-keep
-# draft-train draft-keep draft-vllm draft-sglang draft-simgap"; a window after one lost past data-keep stashes c09
-# (keep_drafter.sh FILES_AT draftdata) and runs PLAN="data-restore draft-train draft-keep ..." (same GPU_SET).
+# draft-train draft-keep draft-vllm draft-sglang draft-simgap"; a window after one lost past data-keep stashes c09,
+# c09b (keep_drafter.sh draftdata FILES_AT...) and runs PLAN="data-restore draft-train draft-keep ..." (same
+# GPU_SET); after one lost past draft-keep, it stashes c08 and runs PLAN="draft-restore draft-vllm draft-sglang".
 # Hold the machine with `suite.sh watch` calls while it runs (suite.sh: why).
 # Together they need more than one 30-minute window: what did not finish is simply missing from `collect`'s
 # res.tgz.

@@ -26,10 +26,10 @@
 #                       the scaling curve's subsets; draft-simgap: the draft's τ_sim on MT-bench and HumanEval
 #   suite.sh gpu-tests  tests/test_gpu.py + test_ttt.py's CUDA cases with vLLM's environment, then the SGLang test
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
-#                       parts to $OUT (one call), and, in a later window, the carried parts back to data/drafter
-#                       + the stages up to export (HERE between them: scripts/gpu_engines/keep_drafter.sh FILES_AT)
+#                       parts to $OUT (≤ 3 a call), and, in a later window, the carried parts back to data/drafter
+#                       + the stages up to export (HERE between them: keep_drafter.sh drafter FILES_AT... → c08)
 #   suite.sh data-keep | data-restore   the same for draft-data's output (data/features, data/validated.json):
-#                       a later window trains without regenerating (keep_drafter.sh FILES_AT draftdata → c09)
+#                       a later window trains without regenerating (keep_drafter.sh draftdata FILES_AT... → c09..)
 #   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
 #   suite.sh pipeline   the steps of $PLAN (pipeline.sh: its default and why) one after the other, in one
 #                       background run in a copy of the repo; then
@@ -53,6 +53,13 @@ KEEP=${KEEP:-/tmp/keep} RES=${RES:-/tmp/res}  # kept parts, the pipeline's resul
 P=${P:-24}; NEW=${NEW:-128}; NCONV=${NCONV:-64}
 B="python3 benchmarks/h200_engines.py --out $OUT --prompts $P --max-new $NEW --n $NCONV"
 venv() { source <($d env "$1"); export PYTHONPATH="$PWD:$PYTHONPATH"; }
+return_kept() {  # ≤ 3 not yet returned parts of the kept sets (+ their sha256) to $OUT, each part once: the device
+  # sends back ≤ 8 files and 64 MiB a call (the twelfth window's first watch lost 4 of draftdata's 8 parts so)
+  local n=0 p
+  for p in $(ls $KEEP/*.tar.part* 2>/dev/null); do
+    [ -f $KEEP/.returned-$(basename $p) ] && continue; [ $n -ge 3 ] && break
+    cp $p "${p%.tar.part*}.sha256" "$OUT/" && touch $KEEP/.returned-$(basename $p) && n=$((n + 1)); done
+}
 case ${1:-} in
   setup)
     set -e
@@ -166,15 +173,15 @@ case ${1:-} in
      tail -4 "$OUT/gpu_tests_sglang.log") ;;
   draft-keep|data-keep)  # issue 13: data/drafter (draft-keep), or draft-data's output, the tokens store and the
     # gate's verdict (data-keep), as ≤ 15 MiB parts in /tmp/keep (the machine keeps nothing once given back). `watch`
-    # returns each kept set once (or `suite.sh keep` in a call of its own); HERE `keep_drafter.sh FILES_AT [NAME]`
-    # makes them carry c08 (drafter) or c09 (draftdata), and a later window's `setup` + `draft-restore` serves that
+    # returns their parts, ≤ 3 a call, each once (or `suite.sh keep` calls); HERE `keep_drafter.sh NAME FILES_AT...`
+    # makes them carry c08.. (drafter) or c09, c09b.. (draftdata), and a later window's `setup` + `draft-restore` serves that
     # draft without draft-data and draft-train, or `data-restore` trains without draft-data (the same GPU_SET)
     name=drafter what=drafter; [ "$1" = data-keep ] && name=draftdata what="features validated.json"
-    mkdir -p $KEEP; rm -f $KEEP/$name.* $KEEP/.returned-$name
+    mkdir -p $KEEP; rm -f $KEEP/$name.* $KEEP/.returned-$name.*
     tar -cf $KEEP/$name.tar -C data $what || exit 1
     (cd $KEEP && sha256sum $name.tar > $name.sha256 && split -b 15M -d $name.tar $name.tar.part &&
      rm $name.tar && ls -l $name.*) ;;
-  keep) cp $KEEP/* "$OUT/" && ls -l "$OUT" ;;
+  keep) return_kept && ls -l "$OUT" ;;
   draft-restore|data-restore)  # a kept set (installed by setup) back in data/, then the stages it needs:
     # draft-restore: c08's draft + the stages up to export; data-restore: c09's tokens store and gate verdict +
     # target and prompts (deterministic, ~50 s), so draft-train follows (GPU_SET as when it was kept)
@@ -205,18 +212,18 @@ case ${1:-} in
     # given back 30 s after a call ends (the fifth window lost its run to a fix made between two calls), so
     # call watch again at once, and make fixes inside a call (edit /tmp/repo from the command), not between.
     # A fresh machine (the last one went back: no /tmp/res) returns at once instead of waiting S s for nothing
-    # (the ninth window lost 540 s so). Each call returns res.tgz (every JSON and log so far) and, once each, the
-    # parts of what draft-keep and data-keep kept, so a machine lost later loses only the step that was running.
+    # (the ninth window lost 540 s so). Each call returns res.tgz (every JSON and log so far) and ≤ 3 parts not yet
+    # returned of what draft-keep and data-keep kept (while some are left, at once), so a machine lost later loses
+    # only the step that was running.
     [ -f $RES/steps.txt ] || { echo "no pipeline here ($RES missing): the machine was given back; start again"; exit 3; }
-    n0=$(wc -l < $RES/steps.txt); t0=$(cat $RES/*.log 2>/dev/null | grep -c Traceback)
-    for _ in $(seq $(( ${2:-540} / 5 ))); do
+    n0=$(wc -l < $RES/steps.txt); t0=$(cat $RES/*.log 2>/dev/null | grep -c Traceback); wait_s=${2:-540}
+    for p in $KEEP/*.tar.part*; do [ -f "$p" ] && [ ! -f $KEEP/.returned-$(basename "$p") ] && wait_s=0; done
+    for _ in $(seq $(( wait_s / 5 ))); do
       [ -f $RES/DONE ] || [ "$(wc -l < $RES/steps.txt)" != "$n0" ] ||
         [ "$(cat $RES/*.log 2>/dev/null | grep -c Traceback)" != "$t0" ] && break; sleep 5; done
     cat $RES/steps.txt; f=$(ls -t $RES/*.log | head -1); echo "--- $f"
     grep -a "^=== \|epoch \|RESULT\|Error" "$f" | tail -6 | cut -c1-300
-    tar -czf "$OUT/res.tgz" -C $RES .
-    for k in $KEEP/*.sha256; do n=$(basename "$k" .sha256)  # each kept set once (draft-keep, data-keep)
-      [ -f "$k" ] && [ ! -f $KEEP/.returned-$n ] && cp $KEEP/$n.* "$OUT/" && touch $KEEP/.returned-$n; done
+    tar -czf "$OUT/res.tgz" -C $RES .; return_kept
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
   collect)  # wait up to $2 s (default 540) for pipeline's DONE, then copy what it wrote so far into $OUT
     for _ in $(seq $(( ${2:-540} / 5 ))); do [ -f $RES/DONE ] && break; sleep 5; done
