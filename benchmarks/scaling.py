@@ -5,9 +5,11 @@
             as train_drafter does (eaglepipe.train.train_drafter); one JSON per n (its summary's per-epoch τ_sim).
     csv     HERE: those JSONs (and full runs' reports/train.json, if they ran) and the served τ of a draft's
             kept epoch (--served) → benchmarks/h200/scaling.csv with columns conversations, epochs, tau_sim,
-            tau_reference, tau_vllm, tau_sglang (blank where not measured), then tokens_per_epoch (the training
-            split's token positions an epoch: two runs on the same conversations, one with later turns kept
-            (prompts.max_turns), differ there); `render` draws it as a PNG.
+            tau_reference, tau_vllm, tau_sglang (blank where not measured), then tau_sim_mtbench (the kept
+            epoch's τ_sim on the 80 MT-bench first turns, benchmarks/sim_gap.py: where held-out τ_sim and
+            served τ part, this says which) and tokens_per_epoch (the training split's token positions an
+            epoch: two runs on the same conversations, one with later turns kept (prompts.max_turns), differ
+            there); `render` draws it as a PNG.
 
 The subsets share the full store's shards (symlinks) under a manifest that lists only their samples, so the
 features are the same computation; each draft holds out its own train.eval_fraction for τ_sim.
@@ -24,7 +26,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-COLUMNS = ["conversations", "epochs", "tau_sim", "tau_reference", "tau_vllm", "tau_sglang", "tokens_per_epoch"]
+COLUMNS = ["conversations", "epochs", "tau_sim", "tau_reference", "tau_vllm", "tau_sglang", "tau_sim_mtbench",
+           "tokens_per_epoch"]
+MEASURES = {"vllm": "tau", "sglang": "tau", "reference": "tau", "sim_mtbench": "tau_sim"}  # --served ENGINE: its key
 
 
 def subset_store(features: Path, n_shards: int, out: Path) -> Path:
@@ -105,11 +109,16 @@ def to_csv(a) -> None:
         n = _conversations(s)
         rows += _epoch_rows(s, n)
         best[(n, _tokens_per_epoch(s))] = rows[len(rows) - len(s["evals"]) + s["best"]["epoch"]]  # the exported epoch
-    for spec in a.served:  # ENGINE:KEY:FILE, a served (or reference) result of that run's draft
+    for spec in a.served:  # ENGINE:KEY:FILE[#a.b], a served, reference or sim_gap result of that run's draft
         engine, key, f = spec.split(":", 2)
+        if engine not in MEASURES:
+            raise ValueError(f"--served {spec}: ENGINE is one of {sorted(MEASURES)}, not {engine!r}")
+        f, _, path = f.partition("#")
         r = json.loads(Path(f).read_text())
-        tau = r.get(engine, r).get("tau") if engine == "reference" else r["tau"]
-        best[_run_of(best, int(key))][f"tau_{engine}"] = tau
+        for k in filter(None, path.split(".")):  # a result inside a larger JSON (a window's record)
+            r = r[k]
+        r = r.get(engine, r) if engine == "reference" else r  # serve_eval's report holds each engine's result
+        best[_run_of(best, int(key))][f"tau_{engine}"] = r[MEASURES[engine]]
     rows.sort(key=lambda r: (r["conversations"], r["tokens_per_epoch"], r["epochs"]))
     with open(a.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, COLUMNS)
@@ -125,17 +134,17 @@ def render(a) -> None:
     from PIL import Image, ImageDraw
 
     rows = list(csv.DictReader(open(a.csv)))
-    w, h, pad = 900, 480, 60
+    w, h, pad = 1000, 480, 60
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     taus = [float(r[c]) for r in rows for c in COLUMNS if c.startswith("tau_") and r[c]]
     lo, hi = 1.0, max(taus + [2.0]) + 0.1
     epochs = max(int(r["epochs"]) for r in rows)
-    x = lambda e: pad + (e - 1) / max(epochs - 1, 1) * (w - 3 * pad)  # noqa: E731
+    x = lambda e: pad + (e - 1) / max(epochs - 1, 1) * (w - 5 * pad)  # labels beside the last epoch  # noqa: E731
     y = lambda t: h - pad - (t - lo) / (hi - lo) * (h - 2 * pad)  # noqa: E731
-    d.line([(pad, h - pad), (w - 2 * pad, h - pad)], fill="black"), d.line([(pad, h - pad), (pad, pad)], fill="black")
+    d.line([(pad, h - pad), (w - 4 * pad, h - pad)], fill="black"), d.line([(pad, h - pad), (pad, pad)], fill="black")
     for t in [lo + i * 0.25 for i in range(int((hi - lo) / 0.25) + 1)]:
-        d.text((8, y(t) - 6), f"{t:.2f}", fill="black"), d.line([(pad, y(t)), (w - 2 * pad, y(t))], fill=(225, 225, 225))
+        d.text((8, y(t) - 6), f"{t:.2f}", fill="black"), d.line([(pad, y(t)), (w - 4 * pad, y(t))], fill=(225, 225, 225))
     for e in range(1, epochs + 1):
         d.text((x(e) - 3, h - pad + 6), str(e), fill="black")
     d.text((w // 2 - 60, h - 22), "epochs", fill="black")
@@ -145,13 +154,16 @@ def render(a) -> None:
     for i, key in enumerate(sorted({run(r) for r in rows})):
         c, mine = colours[i % len(colours)], [r for r in rows if run(r) == key]
         d.line([(x(int(r["epochs"])), y(float(r["tau_sim"]))) for r in mine], fill=c, width=2)
-        d.text((w - 2 * pad + 8, 40 + 30 * i), f"{key[0]} conv.\n{key[1] / 1e6:.2f}M tok/epoch", fill=c)
+        d.text((w - 2 * pad + 8, 40 + 36 * i), f"{key[0]} conv.\n{key[1] / 1e6:.2f}M tok/epoch", fill=c)
         for r in mine:
-            for j, col in enumerate(("tau_reference", "tau_vllm", "tau_sglang")):
-                if r[col]:
+            for j, col in enumerate(("tau_reference", "tau_vllm", "tau_sglang", "tau_sim_mtbench")):
+                if r.get(col):
                     px, py = x(int(r["epochs"])), y(float(r[col]))
-                    d.rectangle([px - 4, py - 4, px + 4, py + 4], outline=c, width=2)
-                    d.text((px + 8, py - 8 + 12 * (j - 1)), f"{col.removeprefix('tau_')} {float(r[col]):.3f}", fill=c)
+                    if col == "tau_sim_mtbench":  # a simulation, not a serving: a triangle
+                        d.polygon([(px, py - 5), (px - 5, py + 4), (px + 5, py + 4)], outline=c, width=2)
+                    else:
+                        d.rectangle([px - 4, py - 4, px + 4, py + 4], outline=c, width=2)
+                    d.text((px + 8, py - 8 + 14 * (j - 1)), f"{col.removeprefix('tau_')} {float(r[col]):.3f}", fill=c)
     img.save(a.out)
     print(f"wrote {a.out}")
 
@@ -174,13 +186,14 @@ def main() -> None:
     c.add_argument("--served", nargs="*", default=[], metavar="ENGINE:KEY:FILE",
                    help="served τ of the draft of the run whose conversations (or, where two runs share them, "
                    "tokens_per_epoch) is KEY: ENGINE vllm | sglang (a "
-                   "benchmarks/h200_engines.py serve JSON) or reference (a serve_eval report or reference JSON)")
+                   "benchmarks/h200_engines.py serve JSON), reference (a serve_eval report or reference JSON) or "
+                   "sim_mtbench (a benchmarks/sim_gap.py JSON); FILE#a.b takes the result at keys a, b of FILE")
     c.add_argument("--out", default="benchmarks/h200/scaling.csv")
     r = sub.add_parser("render")
     r.add_argument("--csv", default="benchmarks/h200/scaling.csv")
     r.add_argument("--out", default="benchmarks/h200/scaling.png")
     r.add_argument("--title", default="EAGLE-3 draft for SmolLM2-135M, H200: tau_sim (held-out ShareGPT) per "
-                   "epoch; squares: served tau (MT-bench, k=3)")
+                   "epoch; squares: served tau (MT-bench, k=3); triangles: tau_sim on MT-bench")
     a = ap.parse_args()
     {"train": train, "csv": to_csv, "render": render}[a.cmd](a)
 

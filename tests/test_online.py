@@ -304,16 +304,21 @@ def test_scaling_csv_tells_two_runs_on_the_same_conversations_apart(tmp_path):
     (tmp_path / "none").mkdir()
     reports = [run("one_turn", 1000, [1.5, 1.8]), run("two_turns", 1600, [1.6, 1.9, 2.0])]
     (tmp_path / "served.json").write_text(json.dumps({"tau": 1.7}))
+    (tmp_path / "window.json").write_text(json.dumps({"sim_gap": {"mtbench80": {"tau_sim": 1.65, "acc": [0.5]}}}))
     a = argparse.Namespace(runs=str(tmp_path / "none"), train_report=reports, out=str(tmp_path / "s.csv"),
-                           served=[f"vllm:1600:{tmp_path / 'served.json'}"])
+                           served=[f"vllm:1600:{tmp_path / 'served.json'}",
+                                   f"sim_mtbench:1000:{tmp_path / 'window.json'}#sim_gap.mtbench80"])
     to_csv(a)
     rows = list(csv.DictReader(open(a.out)))
-    assert [(r["tokens_per_epoch"], r["epochs"], r["tau_sim"], r["tau_vllm"]) for r in rows] == [
-        ("1000", "1", "1.5", ""), ("1000", "2", "1.8", ""),
-        ("1600", "1", "1.6", ""), ("1600", "2", "1.9", ""), ("1600", "3", "2.0", "1.7")]
+    assert [(r["tokens_per_epoch"], r["epochs"], r["tau_sim"], r["tau_vllm"], r["tau_sim_mtbench"]) for r in rows] == [
+        ("1000", "1", "1.5", "", ""), ("1000", "2", "1.8", "", "1.65"),
+        ("1600", "1", "1.6", "", ""), ("1600", "2", "1.9", "", ""), ("1600", "3", "2.0", "1.7", "")]
     assert {r["conversations"] for r in rows} == {"100"}
     a.served = [f"vllm:100:{tmp_path / 'served.json'}"]
     with pytest.raises(ValueError, match="2 runs match"):
+        to_csv(a)
+    a.served = [f"sim:1000:{tmp_path / 'served.json'}"]
+    with pytest.raises(ValueError, match="ENGINE is one of"):
         to_csv(a)
 
 
