@@ -25,6 +25,7 @@
 #                       alone (k=3, bf16 and fp32); SGLang serving of that export; vLLM at k=5 and on HumanEval;
 #                       the scaling curve's subsets; draft-simgap: the draft's τ_sim on MT-bench and HumanEval
 #   suite.sh gpu-tests  tests/test_gpu.py + test_ttt.py's CUDA cases with vLLM's environment, then the SGLang test
+#                       (GPU_TESTS=sglang: that one alone)
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (≤ 3 a call), and, in a later window, the carried parts back to data/drafter
 #                       + the stages up to export (HERE between them: keep_drafter.sh drafter FILES_AT... → c08)
@@ -166,11 +167,17 @@ case ${1:-} in
        timeout 300 python3 benchmarks/sim_gap.py --target data/target --drafter data/drafter --source $src --n $n \
          --max-new 128 --out "$OUT/sim_gap_$src.json" > "$OUT/sim_gap_$src.log" 2>&1
        grep -h "RESULT\|Error" "$OUT/sim_gap_$src.log" | cut -c1-500; done) ;;
-  gpu-tests)  # tests/test_gpu.py (+ test_ttt.py, test_online.py: their CUDA cases) under each engine's environment (CI skips them)
-    (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py tests/test_online.py::test_rows_captured_on_a_side_stream_equal_the_serial_ones > "$OUT/gpu_tests_vllm.log" 2>&1; tail -4 "$OUT/gpu_tests_vllm.log")
-    (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
-     timeout 300 python3 -m pytest -q -ra tests/test_gpu.py -k sglang > "$OUT/gpu_tests_sglang.log" 2>&1
-     tail -4 "$OUT/gpu_tests_sglang.log") ;;
+  gpu-tests)  # tests/test_gpu.py (+ test_ttt.py, test_online.py: their CUDA cases) under each engine's environment
+    # (CI skips them); GPU_TESTS names the environments (default "vllm sglang"; "sglang": its one test, ~1 min)
+    for e in ${GPU_TESTS:-vllm sglang}; do case $e in
+      vllm) (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py \
+               tests/test_online.py::test_rows_captured_on_a_side_stream_equal_the_serial_ones > "$OUT/gpu_tests_vllm.log" 2>&1
+             tail -4 "$OUT/gpu_tests_vllm.log") ;;
+      sglang) (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
+               timeout 300 python3 -m pytest -q -ra tests/test_gpu.py -k sglang > "$OUT/gpu_tests_sglang.log" 2>&1
+               tail -4 "$OUT/gpu_tests_sglang.log") ;;
+      *) echo "GPU_TESTS: vllm and/or sglang, not $e"; exit 2 ;;
+    esac; done ;;
   draft-keep|data-keep)  # issue 13: data/drafter (draft-keep), or draft-data's output, the tokens store and the
     # gate's verdict (data-keep), as ≤ 15 MiB parts in /tmp/keep (the machine keeps nothing once given back). `watch`
     # returns their parts, ≤ 3 a call, each once (or `suite.sh keep` calls); HERE `keep_drafter.sh NAME FILES_AT...`
