@@ -155,7 +155,7 @@ def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32
     batch = Batch(x["input_ids"], x["positions"], x["doc"], x["loss_mask"], x["aux"], x["last"], x["top_in_vocab"])
 
     def step():
-        soft = soft_targets(head, batch.last, draft.t2d, batch.top_in_vocab, precision=teacher)
+        soft = soft_targets(head, batch.last, draft.t2d, batch.top_in_vocab, precision=teacher, need=batch.loss_mask)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             r = unroll(batch, soft)
         r.loss.backward()
@@ -312,7 +312,7 @@ def parity_check(s: Shape, tokens: int, ttt: int) -> dict:
         draft = seeded_draft(s, x)
         head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False)
         b = Batch(x["input_ids"], x["positions"], x["doc"], x["loss_mask"], x["aux"], x["last"], x["top_in_vocab"])
-        soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab)
+        soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab, need=b.loss_mask)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             r = TTTUnroll(draft, head.embed, ttt, 0.8, fast=fast)(b, soft)
         r.loss.backward()

@@ -85,36 +85,47 @@ class SoftTargets:
 @torch.no_grad()
 def soft_targets(
     head: TargetHead, last: torch.Tensor, t2d: torch.Tensor, top_in_vocab: torch.Tensor | None = None,
-    chunk: int | None = None, precision: str = "fp32",
+    chunk: int | None = None, precision: str = "fp32", need: torch.Tensor | None = None,
 ) -> SoftTargets:
     """last (B, T, H) → SoftTargets over the draft vocabulary, ``chunk`` tokens at a time (V is large).
 
     Finding whether the full-vocabulary top-1 is in the draft vocabulary needs the (T, V) product; when the
     caller already knows it (``top_in_vocab`` (B, T) bool, computed once per sample by train.py), only the Vd
     draft rows of lm_head are multiplied — V/Vd times less work (6× for SmolLM2 with Vd = 8192) every epoch.
+    need: (B, T) bool, the positions whose targets are read (a batch's ``loss_mask``: the TTT loss scores
+    p_{t+1+j} only where x_{t+1+j} is assistant text); the others are not multiplied and get p = 0, top = 0
+    and, when computed here, top_in_vocab False (a third of the CPU defaults' tokens are assistant text).
     precision: of the lm_head product (:meth:`TargetHead.logits`). chunk: tokens per product (default: 1024 on
     CPU, ~64M logits and at least 1024 tokens on CUDA).
     """
     B, T, _ = last.shape
     flat = last.reshape(B * T, -1)  # (B·T, H)
+    idx = None if need is None else need.reshape(-1).nonzero().squeeze(1)  # (n,) the rows computed
+    sel = flat if idx is None else flat[idx]  # (n, H)
     if head.draft_only and top_in_vocab is None:
         raise ValueError("a head cut to the draft rows (draft_rows) needs top_in_vocab")
     rows = None if top_in_vocab is None else head.lm_head if head.draft_only else head.lm_head[t2d]  # (Vd, H)
-    if chunk is None:  # CPU: 1024 as before (same products, same bits); CUDA: ~64M logits a product
+    if chunk is None:  # CPU: 1024 as before; CUDA: ~64M logits a product
         width = head.lm_head.shape[0] if rows is None else rows.shape[0]  # V or Vd
         chunk = max(1024, (1 << 26) // width) if last.is_cuda else 1024
     ps, inv = [], []
-    for a in range(0, B * T, chunk):
-        logits = head.logits(flat[a : a + chunk], rows, precision)  # (c, V), or (c, Vd) with rows
+    for a in range(0, sel.shape[0], chunk):
+        logits = head.logits(sel[a : a + chunk], rows, precision)  # (c, V), or (c, Vd) with rows
         if rows is None:
             inv.append(t2d[logits.argmax(-1)])  # (c,)
             logits = logits[:, t2d]  # (c, Vd)
         ps.append(torch.softmax(logits, dim=-1))  # (c, Vd)
-    p = torch.cat(ps).view(B, T, -1)  # (B, T, Vd)
+    Vd = rows.shape[0] if rows is not None else ps[0].shape[1] if ps else int(t2d.sum())  # t2d: bool (V,)
+    p = torch.cat(ps) if ps else flat.new_zeros(0, Vd, dtype=torch.float32)  # (n, Vd)
+    top_in = torch.cat(inv) if inv else torch.zeros(sel.shape[0], dtype=torch.bool, device=flat.device)  # (n,)
+    if idx is not None:  # back to every position, zeros where not needed
+        p = p.new_zeros(B * T, Vd).index_copy_(0, idx, p)
+        top_in = top_in.new_zeros(B * T).index_copy_(0, idx, top_in)
+    p = p.view(B, T, Vd)  # (B, T, Vd)
     return SoftTargets(
         p=p,
         top=p.argmax(-1),  # (B, T)
-        top_in_vocab=torch.cat(inv).view(B, T) if rows is None else top_in_vocab,  # (B, T)
+        top_in_vocab=top_in.view(B, T) if rows is None else top_in_vocab,  # (B, T)
     )
 
 

@@ -323,7 +323,7 @@ def top1_in_vocab(head, features_dir: Path, refs: list[SampleRef], t2d: torch.Te
     out = {}
     rows = pack([r.n_tokens for r in refs], list(range(len(refs))), max_tokens)
     for row, b in BatchStream(features_dir, [[refs[i] for i in r] for r in rows], capture=capture):
-        top = soft_targets(head, b.last.to(dev), t2d).top_in_vocab[0].cpu()  # (T,) over the row's samples
+        top = soft_targets(head, b.last.to(dev), t2d, need=b.loss_mask.to(dev)).top_in_vocab[0].cpu()  # (T,)
         for ref, t in zip(row, top.split(torch.bincount(b.doc[0].cpu(), minlength=len(row)).tolist())):
             out[ref.id] = t
     return out
@@ -488,7 +488,7 @@ class Run:
             b = pad_batch(b, padded_length(self.p.batch_tokens))
         # train.teacher_precision applies to training steps; evaluation (module given) keeps the fp32 teacher
         precision = self.p.teacher_precision if module is None else "fp32"
-        soft = soft_targets(self.head, b.last, self.draft.t2d, b.top_in_vocab, precision=precision)
+        soft = soft_targets(self.head, b.last, self.draft.t2d, b.top_in_vocab, precision=precision, need=b.loss_mask)
         with self.autocast():
             return (module or self.model)(b, soft)
 

@@ -212,9 +212,12 @@ class SoftCE(torch.autograd.Function):
     """Σ_t w_t · (−Σ_v p_tv log softmax(x_t Wᵀ)_v) and argmax_v (x_t Wᵀ), ``chunk`` tokens at a time.
 
     x (N, H) the normed draft output, W (Vd, H) lm_head, p (N, Vd) soft targets, w (N,) fp32 weights.
-    The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one chunk of
-    logits at a time in fp32, dz is kept in the product dtype (N, Vd), and the two gradient products are one
-    GEMM each; backward only scales them. Under autocast the products run in its dtype (as ``nn.Linear`` would).
+    Only the n rows with w > 0 are multiplied (the rest add nothing to the loss or the gradient; their argmax
+    is returned as 0): on real data the loss reads assistant tokens only (about a third of the CPU defaults'
+    positions). The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one
+    chunk of logits at a time in fp32, dz is kept in the product dtype (n, Vd), and the two gradient products
+    are one GEMM each; backward only scales them. Under autocast the products run in its dtype (as
+    ``nn.Linear`` would).
     """
 
     @staticmethod
@@ -222,8 +225,10 @@ class SoftCE(torch.autograd.Function):
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         need_x, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        N, idx = x.shape[0], (w > 0).nonzero().squeeze(1)  # (n,) the rows that count
+        x, p, w = x[idx], p[idx], w[idx]  # (n, H), (n, Vd), (n,)
         with torch.autocast(dev, enabled=False):
-            xd, Wd = x.to(dt), W.to(dt)  # (N, H), (Vd, H)
+            xd, Wd = x.to(dt), W.to(dt)  # (n, H), (Vd, H)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             arg = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # (N,)
             dz = torch.empty(x.shape[0], W.shape[0], dtype=dt, device=x.device) if need_x or need_w else None
@@ -233,12 +238,12 @@ class SoftCE(torch.autograd.Function):
                 loss = loss + ce
                 if dz is not None:
                     dz[a : a + chunk] = g  # (c, Vd)
-            gx = (dz @ Wd).to(x.dtype) if need_x else None  # (N, H)
+            gx = x.new_zeros(N, x.shape[1]).index_copy_(0, idx, (dz @ Wd).to(x.dtype)) if need_x else None  # (N, H)
             gW = (dz.T @ xd).float() if need_w else None  # (Vd, H)
         ctx.save_for_backward(gx, gW)
         ctx.w_dtype = W.dtype
         ctx.mark_non_differentiable(arg)
-        return loss, arg
+        return loss, arg.new_zeros(N).index_copy_(0, idx, arg)  # (N,)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_arg):
@@ -300,7 +305,7 @@ def align_step(batch: Batch, soft: SoftTargets, j: int) -> StepInputs:
         p=shift_left(soft.p, n, 0.0),  # (B, T, Vd)
         top=shift_left(soft.top, n, 0),  # (B, T)
         counted=counted,
-        trained=counted & shift_left(soft.top_in_vocab, n, False),  # (B, T)
+        trained=counted & shift_left(soft.top_in_vocab, n, False).bool(),  # (B, T) bool
     )
 
 
@@ -332,14 +337,13 @@ def ttt_unroll(
         s = align_step(batch, soft, j)
         emb = F.embedding(s.ids, embed)  # (B, T, H), no grad into the frozen table
         out = draft.layer(emb, hidden, s.positions, att.attend)  # (B, T, H) pre-norm
-        logits = draft.logits(out).float()  # (B, T, Vd)
-        ce = -(s.p * torch.log_softmax(logits, dim=-1)).sum(-1)  # (B, T)
-        w = s.trained.float()  # (B, T)
-        loss_j = (ce * w).sum() / w.sum().clamp(min=1.0)
+        logits = draft.logits(out[s.trained]).float()  # (n, Vd): only where the loss reads them
+        ce = -(s.p[s.trained] * torch.log_softmax(logits, dim=-1)).sum(-1)  # (n,)
+        loss_j = ce.sum() / s.trained.sum().clamp(min=1)
         loss = loss + decay**j * loss_j
         with torch.no_grad():
             step_loss.append(loss_j.detach())
-            correct.append((s.trained & (logits.argmax(-1) == s.top)).sum())  # OOV top-1: a miss
+            correct.append((logits.argmax(-1) == s.top[s.trained]).sum())  # OOV top-1: a miss (not trained)
             counted.append(s.counted.sum())
             trained.append(s.trained.sum())
         hidden = out  # the draft's own pre-norm output feeds step j+1

@@ -169,6 +169,13 @@ def test_soft_targets_match_the_hf_target(tiny_target):
     torch.testing.assert_close(fast.p, st.p)
     assert fast.top.tolist() == st.top.tolist()
     json.dumps(st.top.tolist())  # plain ints
+    need = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0]], dtype=torch.bool)  # the positions the loss reads
+    for tiv in (None, st.top_in_vocab):
+        part = soft_targets(head, captured["last"], t2d, top_in_vocab=tiv, chunk=2, need=need)
+        torch.testing.assert_close(part.p[need], st.p[need], rtol=1e-5, atol=1e-6)
+        assert not part.p[~need].any() and part.top[~need].eq(0).all()
+        want_tiv = st.top_in_vocab & need if tiv is None else st.top_in_vocab  # computed here: False where not needed
+        assert part.top_in_vocab.tolist() == want_tiv.tolist() and part.top[need].tolist() == st.top[need].tolist()
 
 
 def test_ttt_steps_equal_the_serving_chain(draft):
@@ -284,7 +291,7 @@ def test_soft_ce_chunks_equal_one_product():
     z = x @ W.T
     want = (-(p * torch.log_softmax(z, -1)).sum(-1) * w).sum()
     torch.testing.assert_close(loss, want)
-    assert arg.tolist() == z.argmax(-1).tolist()
+    assert arg.tolist() == torch.where(w > 0, z.argmax(-1), 0).tolist()  # rows of weight 0 are not multiplied
     gx, gW = torch.autograd.grad(2.5 * loss, (x, W))
     wx, wW = torch.autograd.grad(2.5 * want, (x, W))
     torch.testing.assert_close(gx, wx)
