@@ -157,3 +157,23 @@ def test_features_of_another_model_are_a_mismatch_not_an_offset(tiny_target, sto
     assert "(off by" not in msg and "numerics gap, offset 0" not in msg
     with pytest.raises(CaptureMismatch, match="no layer offset"):
         require_ok(rep)
+
+
+def test_report_json_is_stable_across_an_fp32_ulp_of_relative_l2():
+    """reports/offsets.json is a DVC output: vLLM's CPU capture moved a relative L2 by one fp32 ulp between two
+    fresh clones (0.0016593665350228548 / 0.0016593668842688203), so the report rounds it to 6 digits."""
+    import json
+
+    from eaglepipe.validate import LayerReport, OffsetReport
+
+    def report(rel, cos1):
+        layer = LayerReport(boundary=2, engine_id=2, cosine=0.9999988079071045, rel_l2=rel, best_offset=0,
+                            best_cosine=0.9999988079071045, fed=2, cosines={0: 0.9999988079071045, 1: cos1})
+        return OffsetReport("vllm", "0.32.0", "llama", 4, 818, 0.999, [layer])
+
+    a = report(0.0016593665350228548, 0.9672431945800781).to_json()
+    b = report(0.0016593668842688203, 0.9672433137893677).to_json()  # one fp32 ulp apart, each (seen here)
+    assert json.dumps(a) == json.dumps(b)
+    r = a["layers"][0]
+    assert r["rel_l2"] == 0.00165937 and r["cosine"] == 0.999999 and r["cosines"] == {"0": 0.999999, "1": 0.967243}
+    assert r["ref_rel_l2"] is None and r["gap_cosine"] is None
