@@ -117,16 +117,15 @@ def soft_targets(
         ps.append(torch.softmax(logits, dim=-1))  # (c, Vd)
     Vd = rows.shape[0] if rows is not None else ps[0].shape[1] if ps else int(t2d.sum())  # t2d: bool (V,)
     p = torch.cat(ps) if ps else flat.new_zeros(0, Vd, dtype=torch.float32)  # (n, Vd)
-    top_in = torch.cat(inv) if inv else torch.zeros(sel.shape[0], dtype=torch.bool, device=flat.device)  # (n,)
+    if rows is None:  # top_in_vocab computed here
+        top_in_vocab = torch.cat(inv) if inv else torch.zeros(0, dtype=torch.bool, device=flat.device)  # (n,)
+        if idx is not None:
+            top_in_vocab = top_in_vocab.new_zeros(B * T).index_copy_(0, idx, top_in_vocab)
+        top_in_vocab = top_in_vocab.view(B, T)
     if idx is not None:  # back to every position, zeros where not needed
         p = p.new_zeros(B * T, Vd).index_copy_(0, idx, p)
-        top_in = top_in.new_zeros(B * T).index_copy_(0, idx, top_in)
     p = p.view(B, T, Vd)  # (B, T, Vd)
-    return SoftTargets(
-        p=p,
-        top=p.argmax(-1),  # (B, T)
-        top_in_vocab=top_in.view(B, T) if rows is None else top_in_vocab,  # (B, T)
-    )
+    return SoftTargets(p=p, top=p.argmax(-1), top_in_vocab=top_in_vocab)  # (B, T, Vd), (B, T), (B, T)
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

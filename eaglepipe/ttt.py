@@ -230,7 +230,7 @@ class SoftCE(torch.autograd.Function):
         with torch.autocast(dev, enabled=False):
             xd, Wd = x.to(dt), W.to(dt)  # (n, H), (Vd, H)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
-            arg = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # (N,)
+            arg = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # (n,)
             dz = torch.empty(x.shape[0], W.shape[0], dtype=dt, device=x.device) if need_x or need_w else None
             for a in range(0, x.shape[0], chunk):
                 z = xd[a : a + chunk] @ Wd.T  # (c, Vd) in dt
@@ -305,7 +305,7 @@ def align_step(batch: Batch, soft: SoftTargets, j: int) -> StepInputs:
         p=shift_left(soft.p, n, 0.0),  # (B, T, Vd)
         top=shift_left(soft.top, n, 0),  # (B, T)
         counted=counted,
-        trained=counted & shift_left(soft.top_in_vocab, n, False).bool(),  # (B, T) bool
+        trained=counted & shift_left(soft.top_in_vocab, n, False),  # (B, T)
     )
 
 

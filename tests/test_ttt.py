@@ -55,7 +55,7 @@ def _soft(T, Vd, top_in_vocab=None):
     """Soft targets whose argmax at position s is draft id s (so a shift shows which position was read)."""
     p = torch.full((1, T, Vd), 0.1 / (Vd - 1))
     p[0, torch.arange(T), torch.arange(T)] = 0.9
-    tiv = torch.ones(1, T, dtype=torch.bool) if top_in_vocab is None else torch.tensor([top_in_vocab])
+    tiv = torch.ones(1, T, dtype=torch.bool) if top_in_vocab is None else torch.tensor([top_in_vocab], dtype=torch.bool)
     return SoftTargets(p=p, top=torch.arange(T)[None], top_in_vocab=tiv)
 
 

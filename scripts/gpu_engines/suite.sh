@@ -54,12 +54,13 @@ KEEP=${KEEP:-/tmp/keep} RES=${RES:-/tmp/res}  # kept parts, the pipeline's resul
 P=${P:-24}; NEW=${NEW:-128}; NCONV=${NCONV:-64}
 B="python3 benchmarks/h200_engines.py --out $OUT --prompts $P --max-new $NEW --n $NCONV"
 venv() { source <($d env "$1"); export PYTHONPATH="$PWD:$PYTHONPATH"; }
-return_kept() {  # ≤ 3 not yet returned parts of the kept sets (+ their sha256) to $OUT, each part once: the device
-  # sends back ≤ 8 files and 64 MiB a call (the twelfth window's first watch lost 4 of draftdata's 8 parts so)
-  local n=0 p
-  for p in $(ls $KEEP/*.tar.part* 2>/dev/null); do
-    [ -f $KEEP/.returned-$(basename $p) ] && continue; [ $n -ge 3 ] && break
-    cp $p "${p%.tar.part*}.sha256" "$OUT/" && touch $KEEP/.returned-$(basename $p) && n=$((n + 1)); done
+pending_kept() {  # the kept parts not yet returned
+  local p; for p in $KEEP/*.tar.part*; do [ -f "$p" ] && [ ! -f $KEEP/.returned-$(basename "$p") ] && echo "$p"; done
+}
+return_kept() {  # ≤ 3 pending parts (+ their set's sha256) to $OUT, each part once: the device sends back ≤ 8
+  # files and 64 MiB a call (the twelfth window's first watch lost 4 of draftdata's 8 parts so)
+  local p; for p in $(pending_kept | head -3); do
+    cp $p "${p%.tar.part*}.sha256" "$OUT/" && touch $KEEP/.returned-$(basename $p); done; true
 }
 case ${1:-} in
   setup)
@@ -224,7 +225,7 @@ case ${1:-} in
     # only the step that was running.
     [ -f $RES/steps.txt ] || { echo "no pipeline here ($RES missing): the machine was given back; start again"; exit 3; }
     n0=$(wc -l < $RES/steps.txt); t0=$(cat $RES/*.log 2>/dev/null | grep -c Traceback); wait_s=${2:-540}
-    for p in $KEEP/*.tar.part*; do [ -f "$p" ] && [ ! -f $KEEP/.returned-$(basename "$p") ] && wait_s=0; done
+    [ -n "$(pending_kept)" ] && wait_s=0  # parts to return: no waiting
     for _ in $(seq $(( wait_s / 5 ))); do
       [ -f $RES/DONE ] || [ "$(wc -l < $RES/steps.txt)" != "$n0" ] ||
         [ "$(cat $RES/*.log 2>/dev/null | grep -c Traceback)" != "$t0" ] && break; sleep 5; done
