@@ -58,7 +58,7 @@ class DraftConfig:
     num_attention_heads: int  # nh, as the target
     num_key_value_heads: int  # nkv, as the target (GQA)
     head_dim: int  # hd, as the target
-    intermediate_size: int  # I of the draft MLP, as the target
+    intermediate_size: int  # I of the draft MLP: the target's unless train.draft_intermediate_size says otherwise
     rms_norm_eps: float  # as the target
     rope_theta: float  # as the target (also inside rope_parameters)
     max_position_embeddings: int  # as the target
@@ -71,8 +71,10 @@ class DraftConfig:
     rope_parameters: dict | None = None
 
     @classmethod
-    def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int) -> "DraftConfig":
-        """Build from the target's ``config.json`` dict. Raises EaglepipeError on what the draft cannot mirror."""
+    def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int,
+                    intermediate_size: int = 0) -> "DraftConfig":
+        """Build from the target's ``config.json`` dict; ``intermediate_size`` > 0 widens (or narrows) the draft's
+        MLP, 0 keeps the target's. Raises EaglepipeError on what the draft cannot mirror."""
         rope = rope_parameters(target)  # raises RopeError for what the engines' Llama drafts cannot build
         if target.get("hidden_act", "silu") != "silu":
             raise EaglepipeError(f"target hidden_act {target['hidden_act']!r}: the draft MLP implements silu only")
@@ -84,7 +86,7 @@ class DraftConfig:
             num_attention_heads=nh,
             num_key_value_heads=int(target.get("num_key_value_heads") or nh),
             head_dim=int(target.get("head_dim") or h // nh),
-            intermediate_size=int(target["intermediate_size"]),
+            intermediate_size=int(intermediate_size or target["intermediate_size"]),
             rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope["rope_theta"]),
             max_position_embeddings=int(target.get("max_position_embeddings", 8192)),

@@ -102,6 +102,10 @@ class ValidateParams(_Strict):
 
 class TrainParams(_Strict):
     draft_vocab_size: int = Field(8192, ge=2)
+    draft_intermediate_size: int = Field(0, ge=0, description="width of the draft's MLP (its config.json "
+                                         "intermediate_size); 0 = the target's. Both engines build the draft "
+                                         "layer's MLP from the draft's own config (vLLM llama_eagle3.py / SGLang "
+                                         "llama_eagle3.py via llama.py's LlamaMLP), so any width serves")
     ttt_steps: int = Field(3, ge=1, le=16)
     step_decay: float = Field(0.8, gt=0.0, le=1.0)
     epochs: int = Field(6, ge=1)

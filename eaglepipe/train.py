@@ -522,7 +522,8 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     target_cfg = read_target_config(target_dir)
     head = load_target_head(target_dir)
     n_aux = len(FeatureSet(features_dir).layers)
-    cfg = DraftConfig.from_target(target_cfg, n_aux=n_aux, draft_vocab_size=p.draft_vocab_size)
+    cfg = DraftConfig.from_target(target_cfg, n_aux=n_aux, draft_vocab_size=p.draft_vocab_size,
+                                  intermediate_size=p.draft_intermediate_size)
     if cfg.n_aux != 3:  # both engines size fc from num_aux_hidden_states, which export writes (convention.py)
         log.info("%d aux layers: fc reads %d·Ht; export writes num_aux_hidden_states = %d, from which SGLang's and "
                  "vLLM's llama_eagle3.py size fc", cfg.n_aux, cfg.n_aux, cfg.n_aux)

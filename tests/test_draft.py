@@ -37,6 +37,17 @@ def test_config_from_target(cfg):
     assert cfg.draft_vocab_size == 50 and cfg.rope_theta == 10000.0
 
 
+def test_draft_mlp_width_is_a_draft_choice(tiny_target):
+    """train.draft_intermediate_size > 0 sets the draft MLP's width; 0 keeps the target's (64 here)."""
+    t = json.loads((tiny_target / "config.json").read_text())
+    wide = DraftConfig.from_target(t, n_aux=3, draft_vocab_size=50, intermediate_size=160)
+    assert wide.intermediate_size == 160
+    assert DraftConfig.from_target(t, n_aux=3, draft_vocab_size=50, intermediate_size=0).intermediate_size == 64
+    sd = Eagle3Draft(wide).state_dict()
+    assert tuple(sd["midlayer.mlp.gate_proj.weight"].shape) == (160, 32)
+    assert tuple(sd["midlayer.mlp.down_proj.weight"].shape) == (32, 160)
+
+
 def test_exported_names_and_shapes(cfg):
     sd = Eagle3Draft(cfg).state_dict()
     assert {k: tuple(v.shape) for k, v in sd.items()} == {

@@ -5,6 +5,7 @@ epochs, CPU) on the tiny target's own regenerated answers, so it accepts often e
 draft's RoPE; exported with the target's llama3 ``rope_parameters``, vLLM's
 LlamaForCausalLMEagle3 builds the same rotary embedding as training and the reference decoder. The control
 exports the same weights with plain RoPE: vLLM's τ then moves away from the reference's (1.3622 → 1.4011).
+The same draft with its MLP widened (train.draft_intermediate_size) serves with the same τ.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -104,3 +106,42 @@ def test_control_the_same_draft_served_with_plain_rope_gives_another_tau(trained
     print(json.dumps({"reference_tau": ref["tau"], "vllm_plain_rope_tau": got["tau"]}))
     assert got["outputs_equal"]
     assert abs(got["tau"] - ref["tau"]) > 0.01
+
+
+def test_vllm_builds_the_draft_mlp_from_the_draft_config(trained, tmp_path):
+    """train.draft_intermediate_size: a draft MLP wider than the target's serves, because vLLM's
+    llama_eagle3.py sizes the draft layer's MLP from the draft's own config.json.
+
+    The trained draft's MLP is widened 3x with zero rows/columns (silu(0)·0 = 0, so the function is unchanged);
+    vLLM must load the wider tensors (a target-sized MLP would refuse them) and give the reference decoder's τ,
+    which itself must not move.
+    """
+    import dataclasses
+
+    from eaglepipe.draft import CONFIG_FILE, Eagle3Draft, load_draft, save_draft
+    from eaglepipe.engines.vllm import serve_eagle3
+    from eaglepipe.evaluate import reference_eval
+    from eaglepipe.export import export_all
+
+    target, drafter, export, prompts = trained
+    narrow = load_draft(drafter)
+    i = narrow.cfg.intermediate_size
+    wide = Eagle3Draft(dataclasses.replace(narrow.cfg, intermediate_size=3 * i))
+    sd = narrow.state_dict()
+    for name, t in wide.state_dict().items():
+        with torch.no_grad():
+            t.zero_()
+            t[tuple(slice(0, n) for n in sd[name].shape)] = sd[name]
+    meta = json.loads((drafter / CONFIG_FILE).read_text())
+    save_draft(wide, tmp_path / "wide", extra={k: v for k, v in meta.items() if k != "draft"})
+    export_all(tmp_path / "wide", target, tmp_path / "export", LAYERS, "vllm")
+    cfg = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
+    assert cfg["intermediate_size"] == 3 * i
+    ref = reference_eval(target, drafter, LAYERS, prompts, K, MAX_NEW)
+    ref_wide = reference_eval(target, tmp_path / "wide", LAYERS, prompts, K, MAX_NEW)
+    got = serve_eagle3(target, tmp_path / "export" / "vllm", [p["input_ids"] for p in prompts], k=K,
+                       max_new_tokens=MAX_NEW, work_dir=tmp_path / "v", max_model_len=256)
+    print(json.dumps({"reference_tau": ref["tau"], "reference_wide_tau": ref_wide["tau"], "vllm_wide_tau": got["tau"]}))
+    assert ref_wide["tau"] == pytest.approx(ref["tau"], abs=1e-9) and ref["tau"] > 1.3
+    assert got["outputs_equal"]
+    assert got["tau"] == pytest.approx(ref["tau"], abs=0.02)
