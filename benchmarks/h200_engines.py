@@ -15,6 +15,8 @@ Runs THERE (``scripts/gpu_engines/suite.sh`` calls it, each engine in its own pr
                SGLang EAGLE-3 serving of that draft
     merge      HERE: the step files → benchmarks/h200/serve_eval.json, offsets_sglang_deepseek.json,
                extract_engines.json
+    slim FILE... HERE: serve result files (suite.sh draft-vllm / draft-sglang / draft-extra) → benchmarks/h200/
+               ``<stem><--tag>.json`` with counts instead of the 2 × prompts × max-new token ids
 """
 
 from __future__ import annotations
@@ -354,11 +356,42 @@ def merge(a) -> None:
                       for k, v in out.items() if isinstance(v, dict)}, indent=1))
 
 
+def _first_differences(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Index of the first differing token of each pair of outputs that differ (sorted)."""
+    return sorted(next((j for j, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+                  for p, q in zip(a, b) if p != q)
+
+
+def slim(a) -> None:
+    """HERE: serve result files (the paths after ``slim``) → ``--dest``/``<stem><--tag>.json``, token ids
+    dropped: ``outputs_equal_count`` (drafted = the same engine's plain greedy at batch size 1, "n/prompts"), the
+    first differing token of the pairs that differ, and, for a file of another engine on the same prompts in the
+    same dtype, ``plain_equal_to_the_other_engine_plain``. ``--note`` is kept as ``note``."""
+    runs = {Path(f): json.loads(Path(f).read_text()) for f in [a.engine, *a.files] if f}
+    outs = {f: (r.pop("outputs_draft"), r.pop("outputs_plain")) for f, r in runs.items()}
+    for f, r in runs.items():
+        d, p = outs[f]
+        first = _first_differences(d, p)
+        r.update(outputs_equal_count=f"{len(d) - len(first)}/{len(d)}", first_differences_at_token=first)
+        for g, o in runs.items():
+            if o["engine"] != r["engine"] and (o["prompt_ids"], o["dtype"]) == (r["prompt_ids"], r["dtype"]):
+                same = sum(x == y for x, y in zip(p, outs[g][1]))
+                r["plain_equal_to_the_other_engine_plain"] = f"{same}/{len(p)} ({o['engine']}, {o['dtype']})"
+        if a.note:
+            r["note"] = a.note
+        out = Path(a.dest) / f"{f.stem}{a.tag}.json"
+        out.write_text(json.dumps(r, indent=1) + "\n")
+        print(out, {k: r.get(k) for k in ("tau", "speedup", "outputs_equal_count")})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=["prep", "serve", "reference", "extract", "validate", "seeds", "crosscheck",
-                                     "merge"])
+                                     "merge", "slim"])
     ap.add_argument("engine", nargs="?", default=None)
+    ap.add_argument("files", nargs="*", help="slim: the serve result files")
+    ap.add_argument("--note", default="", help="slim: a note kept in each file")
+    ap.add_argument("--dest", default=str(REPO / "benchmarks" / "h200"), help="slim: where the slim files go")
     ap.add_argument("--work", default="/tmp/w")
     ap.add_argument("--inputs", default="/tmp/eng/inputs")
     ap.add_argument("--out", default="/tmp/out")
@@ -374,7 +407,7 @@ def main() -> None:
     a.dtype = a.dtype or ("bfloat16" if a.engine == "sglang" else "float32")
     a.gpu = gpu_env()
     steps = {"prep": prep, "serve": serve, "reference": reference, "extract": extract_step,
-             "validate": validate_step, "seeds": seeds, "crosscheck": crosscheck, "merge": merge}
+             "validate": validate_step, "seeds": seeds, "crosscheck": crosscheck, "merge": merge, "slim": slim}
     steps[a.step](a)
 
 

@@ -9,7 +9,8 @@
             epoch's τ_sim on the 80 MT-bench first turns, benchmarks/sim_gap.py: where held-out τ_sim and
             served τ part, this says which) and tokens_per_epoch (the training split's token positions an
             epoch: two runs on the same conversations, one with later turns kept (prompts.max_turns), differ
-            there); `render` draws it as a PNG.
+            there), and draft_mlp (the draft MLP's width: the target's, or train.draft_intermediate_size);
+            `render` draws it as a PNG.
 
 The subsets share the full store's shards (symlinks) under a manifest that lists only their samples, so the
 features are the same computation; each draft holds out its own train.eval_fraction for τ_sim.
@@ -27,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 COLUMNS = ["conversations", "epochs", "tau_sim", "tau_reference", "tau_vllm", "tau_sglang", "tau_sim_mtbench",
-           "tokens_per_epoch"]
+           "tokens_per_epoch", "draft_mlp"]  # draft_mlp: the draft MLP's width (train.draft_intermediate_size)
 MEASURES = {"vllm": "tau", "sglang": "tau", "reference": "tau", "sim_mtbench": "tau_sim"}  # --served ENGINE: its key
 
 
@@ -85,18 +86,20 @@ def _tokens_per_epoch(summary: dict) -> int:
 
 
 def _epoch_rows(summary: dict, conversations: int) -> list[dict]:
-    t = _tokens_per_epoch(summary)
+    t, mlp = _tokens_per_epoch(summary), summary["draft"]["intermediate_size"]
     return [{"conversations": conversations, "epochs": int(k.removeprefix("epoch")) + 1, "tau_sim": v["tau_sim"],
-             "tokens_per_epoch": t}
+             "tokens_per_epoch": t, "draft_mlp": mlp}
             for k, v in sorted(summary["evals"].items(), key=lambda kv: int(kv[0].removeprefix("epoch")))]
 
 
-def _run_of(best: dict, key: int) -> tuple:
-    """The one run whose conversations or tokens_per_epoch is ``key``; ValueError if none or several."""
-    hits = [k for k in best if key in k]
+def _run_of(best: dict, key: str) -> tuple:
+    """The one run whose conversations or tokens_per_epoch is ``key`` ("N", or "N/MLP" to name the draft MLP's
+    width too); ValueError if none or several."""
+    n, _, mlp = key.partition("/")
+    hits = [k for k in best if int(n) in k[:2] and (not mlp or int(mlp) == k[2])]
     if len(hits) != 1:
         raise ValueError(f"--served key {key}: {len(hits)} runs match {sorted(best)} (conversations, "
-                         "tokens_per_epoch); give the tokens_per_epoch of the one meant")
+                         "tokens_per_epoch, draft_mlp); give the tokens_per_epoch of the one meant, and /MLP")
     return hits[0]
 
 
@@ -108,8 +111,9 @@ def to_csv(a) -> None:
     for s in runs:
         n = _conversations(s)
         rows += _epoch_rows(s, n)
-        best[(n, _tokens_per_epoch(s))] = rows[len(rows) - len(s["evals"]) + s["best"]["epoch"]]  # the exported epoch
-    for spec in a.served:  # ENGINE:KEY:FILE[#a.b], a served, reference or sim_gap result of that run's draft
+        best[(n, _tokens_per_epoch(s), s["draft"]["intermediate_size"])] = \
+            rows[len(rows) - len(s["evals"]) + s["best"]["epoch"]]  # the exported epoch
+    for spec in a.served:  # ENGINE:KEY[/MLP]:FILE[#a.b], a served, reference or sim_gap result of that run's draft
         engine, key, f = spec.split(":", 2)
         if engine not in MEASURES:
             raise ValueError(f"--served {spec}: ENGINE is one of {sorted(MEASURES)}, not {engine!r}")
@@ -118,8 +122,8 @@ def to_csv(a) -> None:
         for k in filter(None, path.split(".")):  # a result inside a larger JSON (a window's record)
             r = r[k]
         r = r.get(engine, r) if engine == "reference" else r  # serve_eval's report holds each engine's result
-        best[_run_of(best, int(key))][f"tau_{engine}"] = r[MEASURES[engine]]
-    rows.sort(key=lambda r: (r["conversations"], r["tokens_per_epoch"], r["epochs"]))
+        best[_run_of(best, key)][f"tau_{engine}"] = r[MEASURES[engine]]
+    rows.sort(key=lambda r: (r["conversations"], r["tokens_per_epoch"], r["draft_mlp"], r["epochs"]))
     with open(a.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, COLUMNS)
         w.writeheader()
@@ -150,11 +154,13 @@ def render(a) -> None:
     d.text((w // 2 - 60, h - 22), "epochs", fill="black")
     d.text((pad, 12), a.title, fill="black")
     colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
-    run = lambda r: (int(r["conversations"]), int(r["tokens_per_epoch"]))  # noqa: E731
+    run = lambda r: (int(r["conversations"]), int(r["tokens_per_epoch"]), int(r["draft_mlp"]))  # noqa: E731
+    base_mlp = min(int(r["draft_mlp"]) for r in rows)  # the target's width; a wider draft MLP is labelled
     for i, key in enumerate(sorted({run(r) for r in rows})):
         c, mine = colours[i % len(colours)], [r for r in rows if run(r) == key]
         d.line([(x(int(r["epochs"])), y(float(r["tau_sim"]))) for r in mine], fill=c, width=2)
-        d.text((w - 2 * pad + 8, 40 + 36 * i), f"{key[0]} conv.\n{key[1] / 1e6:.2f}M tok/epoch", fill=c)
+        wide = f", MLP {key[2]}" if key[2] != base_mlp else ""
+        d.text((w - 2 * pad + 8, 40 + 36 * i), f"{key[0]} conv.{wide}\n{key[1] / 1e6:.2f}M tok/epoch", fill=c)
         for r in mine:
             for j, col in enumerate(("tau_reference", "tau_vllm", "tau_sglang", "tau_sim_mtbench")):
                 if r.get(col):
@@ -183,9 +189,9 @@ def main() -> None:
     c = sub.add_parser("csv")
     c.add_argument("--runs", required=True, help="folder of the scaling_*.json files")
     c.add_argument("--train-report", nargs="*", default=[], help="full runs' reports/train.json")
-    c.add_argument("--served", nargs="*", default=[], metavar="ENGINE:KEY:FILE",
+    c.add_argument("--served", nargs="*", default=[], metavar="ENGINE:KEY[/MLP]:FILE",
                    help="served τ of the draft of the run whose conversations (or, where two runs share them, "
-                   "tokens_per_epoch) is KEY: ENGINE vllm | sglang (a "
+                   "tokens_per_epoch; /MLP: and whose draft MLP is that wide) is KEY: ENGINE vllm | sglang (a "
                    "benchmarks/h200_engines.py serve JSON), reference (a serve_eval report or reference JSON) or "
                    "sim_mtbench (a benchmarks/sim_gap.py JSON); FILE#a.b takes the result at keys a, b of FILE")
     c.add_argument("--out", default="benchmarks/h200/scaling.csv")

@@ -7,9 +7,11 @@ the wheels' carries. Four H200 windows in a row lost their machine mid-run, so t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -119,3 +121,28 @@ def test_parts_that_do_not_make_the_kept_tar_are_refused(window):
     assert r.returncode == 1 and "do not make the draftdata.tar" in r.stderr
     r = _sh(repo, env, keep, "features", str(tmp / "out1"), check=False)
     assert r.returncode == 2 and "drafter or draftdata" in r.stderr
+
+
+def test_slim_keeps_counts_of_equal_outputs_not_the_token_ids(tmp_path):
+    """benchmarks/h200_engines.py slim: drafted-vs-plain equality per prompt, where the first pairs differ, and
+    plain-vs-the-other-engine's plain on the same prompts in the same dtype; the token lists are dropped."""
+    def serve(name, engine, dtype, draft, plain):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"engine": engine, "dtype": dtype, "prompt_ids": ["a", "b", "c"], "tau": 2.0,
+                                 "speedup": 1.1, "outputs_draft": draft, "outputs_plain": plain}))
+        return str(f)
+
+    v = serve("v", "vllm", "bfloat16", [[1, 2, 3], [4, 5], [6, 7, 8]], [[1, 2, 3], [4, 9], [6, 7, 8]])
+    s = serve("s", "sglang", "bfloat16", [[1, 2, 3], [4, 5], [7]], [[1, 2, 3], [4, 5], [6, 7, 8]])
+    f = serve("f", "vllm", "float32", [[1]], [[1]])
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "h200_engines.py"), "slim", v, s, f, "--tag", "_x",
+                    "--dest", str(out), "--note", "n"], check=True, capture_output=True)
+    got = {n: json.loads((out / f"{n}_x.json").read_text()) for n in ("v", "s", "f")}
+    assert got["v"]["outputs_equal_count"] == "2/3" and got["v"]["first_differences_at_token"] == [1]
+    assert got["s"]["outputs_equal_count"] == "2/3" and got["s"]["first_differences_at_token"] == [0]
+    assert got["v"]["plain_equal_to_the_other_engine_plain"] == "2/3 (sglang, bfloat16)"
+    assert got["s"]["plain_equal_to_the_other_engine_plain"] == "2/3 (vllm, bfloat16)"
+    assert "plain_equal_to_the_other_engine_plain" not in got["f"] and got["f"]["outputs_equal_count"] == "1/1"
+    assert all("outputs_draft" not in r and "outputs_plain" not in r and r["note"] == "n" for r in got.values())

@@ -286,36 +286,46 @@ def test_regenerate_engine_writes_the_text_and_the_capture_engine_the_features(t
 
 
 def test_scaling_csv_tells_two_runs_on_the_same_conversations_apart(tmp_path):
-    """benchmarks/scaling.py csv: runs keyed by (conversations, tokens_per_epoch); a served τ goes to the run its
-    key names (its tokens_per_epoch where two share the conversations), and an ambiguous key is refused."""
+    """benchmarks/scaling.py csv: runs keyed by (conversations, tokens_per_epoch, draft_mlp); a served τ goes to the
+    run its key names (its tokens_per_epoch where two share the conversations, /MLP where two share those too), and
+    an ambiguous key is refused."""
     import argparse
     import csv
 
     sys.path.insert(0, str(REPO))
     from benchmarks.scaling import to_csv
 
-    def run(name, tokens, taus):
+    def run(name, tokens, taus, mlp=64):
         f = tmp_path / f"{name}.json"
         f.write_text(json.dumps({"samples": {"train": 90, "eval": 10}, "train_tokens": tokens * len(taus),
+                                 "draft": {"intermediate_size": mlp},
                                  "evals": {f"epoch{i}": {"tau_sim": t} for i, t in enumerate(taus)},
                                  "best": {"epoch": len(taus) - 1}}))
         return str(f)
 
     (tmp_path / "none").mkdir()
-    reports = [run("one_turn", 1000, [1.5, 1.8]), run("two_turns", 1600, [1.6, 1.9, 2.0])]
+    reports = [run("one_turn", 1000, [1.5, 1.8]), run("two_turns", 1600, [1.6, 1.9, 2.0]),
+               run("wide", 1600, [1.7, 2.1], mlp=192)]
     (tmp_path / "served.json").write_text(json.dumps({"tau": 1.7}))
     (tmp_path / "window.json").write_text(json.dumps({"sim_gap": {"mtbench80": {"tau_sim": 1.65, "acc": [0.5]}}}))
     a = argparse.Namespace(runs=str(tmp_path / "none"), train_report=reports, out=str(tmp_path / "s.csv"),
-                           served=[f"vllm:1600:{tmp_path / 'served.json'}",
+                           served=[f"vllm:1600/64:{tmp_path / 'served.json'}",
+                                   f"sglang:1600/192:{tmp_path / 'served.json'}",
                                    f"sim_mtbench:1000:{tmp_path / 'window.json'}#sim_gap.mtbench80"])
     to_csv(a)
     rows = list(csv.DictReader(open(a.out)))
-    assert [(r["tokens_per_epoch"], r["epochs"], r["tau_sim"], r["tau_vllm"], r["tau_sim_mtbench"]) for r in rows] == [
-        ("1000", "1", "1.5", "", ""), ("1000", "2", "1.8", "", "1.65"),
-        ("1600", "1", "1.6", "", ""), ("1600", "2", "1.9", "", ""), ("1600", "3", "2.0", "1.7", "")]
+    assert [(r["tokens_per_epoch"], r["draft_mlp"], r["epochs"], r["tau_sim"], r["tau_vllm"], r["tau_sglang"],
+             r["tau_sim_mtbench"]) for r in rows] == [
+        ("1000", "64", "1", "1.5", "", "", ""), ("1000", "64", "2", "1.8", "", "", "1.65"),
+        ("1600", "64", "1", "1.6", "", "", ""), ("1600", "64", "2", "1.9", "", "", ""),
+        ("1600", "64", "3", "2.0", "1.7", "", ""),
+        ("1600", "192", "1", "1.7", "", "", ""), ("1600", "192", "2", "2.1", "", "1.7", "")]
     assert {r["conversations"] for r in rows} == {"100"}
-    a.served = [f"vllm:100:{tmp_path / 'served.json'}"]
+    a.served = [f"vllm:1600:{tmp_path / 'served.json'}"]
     with pytest.raises(ValueError, match="2 runs match"):
+        to_csv(a)
+    a.served = [f"vllm:100:{tmp_path / 'served.json'}"]
+    with pytest.raises(ValueError, match="3 runs match"):
         to_csv(a)
     a.served = [f"sim:1000:{tmp_path / 'served.json'}"]
     with pytest.raises(ValueError, match="ENGINE is one of"):
