@@ -153,7 +153,8 @@ def render(a) -> None:
         d.text((x(e) - 3, h - pad + 6), str(e), fill="black")
     d.text((w // 2 - 60, h - 22), "epochs", fill="black")
     d.text((pad, 12), a.title, fill="black")
-    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+               (23, 190, 207), (188, 189, 34), (227, 119, 194)]
     run = lambda r: (int(r["conversations"]), int(r["tokens_per_epoch"]), int(r["draft_mlp"]))  # noqa: E731
     base_mlp = min(int(r["draft_mlp"]) for r in rows)  # the target's width; a wider draft MLP is labelled
     for i, key in enumerate(sorted({run(r) for r in rows})):
