@@ -33,10 +33,11 @@ scored against the next sample's tokens; here they are not counted (``counted`` 
 
 Two implementations of the same step (``fast``): the plain one (:class:`TTTAttention`: only the step-0 block
 is a T×T product, the later blocks are diagonals computed as dot products, so memory is O(T²) for any number of
-steps) and the fast one (:class:`FlexTTTAttention` on CUDA: flex_attention over [step 0 | … | step j] keys with
-a block-sparse mask, never a T×T tensor; :func:`soft_ce` for the loss: the soft cross-entropy and its
-gradient computed with the lm_head product, the fp32 softmax one chunk of tokens at a time, the soft targets
-read through slices instead of shifted copies). Both give the same loss and gradients: tests/test_ttt.py
+steps; steps ≥ 1 only at the positions whose chain the loss reads, :func:`chain_rows`) and the fast one
+(:class:`FlexTTTAttention` on CUDA: flex_attention over [step 0 | … | step j] keys with a block-sparse mask,
+never a T×T tensor; :func:`soft_ce` for the loss: the soft cross-entropy and its gradient computed with the
+lm_head product, the fp32 softmax one chunk of tokens at a time, the soft targets read through slices instead of
+shifted copies; every position of every step). Both give the same loss and gradients: tests/test_ttt.py
 compares them on CPU in fp32 (there the fast path keeps the plain attention: flex_attention has no CPU
 backward); on the H200 under bf16 autocast they agreed to 2e-7 in the loss and within 1 % in each gradient's
 norm, bf16 rounding (benchmarks/h200/train_step_checks.json).
@@ -97,28 +98,60 @@ def ttt_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
 
 
 class TTTAttention:
-    """The ``attend`` of the unrolled steps: call once per step, in order; remembers each step's keys/values."""
+    """The ``attend`` of the unrolled steps: call once per step, in order; remembers each step's keys/values.
+
+    ``at``, set before a step: the positions (n,) int64, ascending, that the step's queries are at (B = 1), or
+    None for all T. Step 0 is always at all T (its keys are every later step's context); a later step may be at
+    a subset of the previous step's positions (:func:`chain_rows`), its diagonal keys picked to match."""
 
     def __init__(self, doc: torch.Tensor):
         self.mask0 = step0_mask(doc)  # (B, 1, T, T)
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor | None] = []
+        self.at: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.ks.append(k)  # (B, nkv, T, hd)
+        r = self.at
+        self.ks.append(k)  # (B, nkv, n, hd)
         self.vs.append(v)
-        n_rep, T = q.shape[1] // k.shape[1], q.shape[2]
+        self.rows.append(r)
+        n_rep, T = q.shape[1] // k.shape[1], self.ks[0].shape[2]
         scale = q.shape[-1] ** -0.5
         k0, v0 = repeat_kv(self.ks[0], n_rep), repeat_kv(self.vs[0], n_rep)  # (B, nh, T, hd)
-        s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, T, T)
-        s0 = s0.masked_fill(~self.mask0, float("-inf"))
-        diag = [(q * repeat_kv(ki, n_rep)).sum(-1, keepdim=True) * scale for ki in self.ks[1:]]  # (B, nh, T, 1) each
-        p = torch.softmax(torch.cat([s0, *diag], dim=-1).float(), dim=-1).to(q.dtype)  # (B, nh, T, T+j)
-        y = p[..., :T] @ v0  # (B, nh, T, hd)
-        for i, vi in enumerate(self.vs[1:]):
-            y = y + p[..., T + i : T + i + 1] * repeat_kv(vi, n_rep)  # (B, nh, T, hd)
+        s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, n, T)
+        s0 = s0.masked_fill(~(self.mask0 if r is None else self.mask0[:, :, r]), float("-inf"))
+        ks = [_rows_at(ki, ri, r) for ki, ri in zip(self.ks[1:], self.rows[1:])]  # (B, nkv, n, hd) each
+        vs = [_rows_at(vi, ri, r) for vi, ri in zip(self.vs[1:], self.rows[1:])]
+        diag = [(q * repeat_kv(ki, n_rep)).sum(-1, keepdim=True) * scale for ki in ks]  # (B, nh, n, 1) each
+        p = torch.softmax(torch.cat([s0, *diag], dim=-1).float(), dim=-1).to(q.dtype)  # (B, nh, n, T+j)
+        y = p[..., :T] @ v0  # (B, nh, n, hd)
+        for i, vi in enumerate(vs):
+            y = y + p[..., T + i : T + i + 1] * repeat_kv(vi, n_rep)  # (B, nh, n, hd)
         return y
 
+
+def _rows_at(x: torch.Tensor, have: torch.Tensor | None, want: torch.Tensor | None) -> torch.Tensor:
+    """x (B, h, n_have, d) at positions ``have`` (None: all) → its rows at ``want`` ⊆ have (None: all; then have
+    is None too)."""
+    if want is None or (have is not None and have.shape == want.shape):  # nested sets: equal size = equal sets
+        return x
+    return x[:, :, want if have is None else torch.searchsorted(have, want)]
+
+
+def chain_rows(trained: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The positions each TTT step must compute, from each step's ``trained`` mask ((1, T) bool, B = 1).
+
+    Step j at t reads only step j−1 at t (its hidden state and diagonal key) and the step-0 keys, so step j ≥ 1
+    need not run where no step j' ≥ j trains: rows_j = {t : trained_j'[t] for some j' ≥ j}, (n_j,) int64,
+    ascending, nested (rows_{j+1} ⊆ rows_j). Step 0 → None (all T: its keys are every later step's context).
+    Prompt positions drop out of every later step (a third of the CPU defaults' tokens are assistant text)."""
+    need = torch.zeros_like(trained[0][0])
+    rows: list[torch.Tensor | None] = [None] * len(trained)
+    for j in range(len(trained) - 1, 0, -1):
+        need = need | trained[j][0]
+        rows[j] = need.nonzero().squeeze(1)
+    return rows
 
 
 BLOCK = 128  # flex_attention's block size; the fast path pads the row to a multiple of it
@@ -295,17 +328,24 @@ class StepInputs:
     trained: torch.Tensor  # bool: counted and the target's top-1 is in the draft vocabulary
 
 
+def counted_trained(batch: Batch, soft: SoftTargets, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step j's ``counted`` and ``trained`` masks, (B, T) bool each (:class:`StepInputs`)."""
+    n = 1 + j
+    counted = (shift_left(batch.doc, n, -2) == batch.doc) & shift_left(batch.loss_mask, n, False)  # (B, T)
+    return counted, counted & shift_left(soft.top_in_vocab, n, False)
+
+
 def align_step(batch: Batch, soft: SoftTargets, j: int) -> StepInputs:
     """Shift the data for TTT step j (see the module docstring's table)."""
     n = 1 + j
-    counted = (shift_left(batch.doc, n, -2) == batch.doc) & shift_left(batch.loss_mask, n, False)  # (B, T)
+    counted, trained = counted_trained(batch, soft, j)
     return StepInputs(
         ids=shift_left(batch.input_ids, n, 0),  # (B, T)
         positions=batch.positions + j,  # (B, T)
         p=shift_left(soft.p, n, 0.0),  # (B, T, Vd)
         top=shift_left(soft.top, n, 0),  # (B, T)
         counted=counted,
-        trained=counted & shift_left(soft.top_in_vocab, n, False),  # (B, T)
+        trained=trained,  # (B, T)
     )
 
 
@@ -325,20 +365,27 @@ def ttt_unroll(
     """Run ``steps`` TTT steps. ``draft`` may be DDP-unwrapped or not (only its submodules are called).
 
     embed: (V, H) frozen target embeddings. Returns the weighted loss and per-step counts. ``fast``: the
-    implementation of :func:`ttt_unroll_fast` (same results).
+    implementation of :func:`ttt_unroll_fast` (same results). With one packed row (B = 1, as training collates),
+    steps ≥ 1 run only at the positions whose chain a later loss reads (:func:`chain_rows`): the same loss and
+    gradients, less work where much of the row is prompt.
     """
     if fast:
         return ttt_unroll_fast(draft, embed, batch, soft, steps, decay)
     hidden = draft.project(batch.aux.to(embed.dtype))  # (B, T, H) step-0 hidden: fc(g_t)
     att = TTTAttention(batch.doc)
+    one_row = hidden.shape[0] == 1
+    rows = chain_rows([counted_trained(batch, soft, j)[1] for j in range(steps)]) if one_row else [None] * steps
     loss = hidden.new_zeros(())
     step_loss, correct, counted, trained = [], [], [], []
-    for j in range(steps):
+    for j, r in enumerate(rows):
         s = align_step(batch, soft, j)
-        emb = F.embedding(s.ids, embed)  # (B, T, H), no grad into the frozen table
-        out = draft.layer(emb, hidden, s.positions, att.attend)  # (B, T, H) pre-norm
-        logits = draft.logits(out[s.trained]).float()  # (n, Vd): only where the loss reads them
-        ce = -(s.p[s.trained] * torch.log_softmax(logits, dim=-1)).sum(-1)  # (n,)
+        ids, pos, tr = (s.ids, s.positions, s.trained) if r is None else \
+            (s.ids[:, r], s.positions[:, r], s.trained[:, r])  # (B, n) each
+        hidden = _rows_at(hidden[:, None], rows[j - 1] if j else None, r)[:, 0]  # (B, n, H)
+        att.at = r
+        out = draft.layer(F.embedding(ids, embed), hidden, pos, att.attend)  # (B, n, H) pre-norm; no grad into embed
+        logits = draft.logits(out[tr]).float()  # (m, Vd): only where the loss reads them (ascending t, as p's rows)
+        ce = -(s.p[s.trained] * torch.log_softmax(logits, dim=-1)).sum(-1)  # (m,)
         loss_j = ce.sum() / s.trained.sum().clamp(min=1)
         loss = loss + decay**j * loss_j
         with torch.no_grad():
@@ -348,7 +395,6 @@ def ttt_unroll(
             trained.append(s.trained.sum())
         hidden = out  # the draft's own pre-norm output feeds step j+1
     return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
-
 
 
 def pad_to(x: torch.Tensor, T: int, fill) -> torch.Tensor:

@@ -117,12 +117,17 @@ def test_own_hidden_fed_back_and_tokens_teacher_forced(draft):
     draft.layer = spy
     ttt_unroll(draft, embed, b, _soft(6, 8), steps=3, decay=0.8)
     assert len(calls) == 3
-    torch.testing.assert_close(calls[0][1], draft.project(b.aux))  # step 0 reads fc(g)
+    torch.testing.assert_close(calls[0][1], draft.project(b.aux))  # step 0 reads fc(g), at every position
+    # step 1 trains t = 0, 1, 2 (x_{t+2} assistant text), step 2 t = 0, 1: later steps run only there
+    rows = {0: list(range(6)), 1: [0, 1, 2], 2: [0, 1]}
     for j in (1, 2):
-        assert calls[j][1] is calls[j - 1][3]  # step j reads step j-1's pre-norm output (with its graph)
-        ids = torch.tensor([[10, 11, 12, 13, 14, 15][1 + j :] + [0] * (1 + j)])
+        r, prev = rows[j], rows[j - 1]
+        at = [prev.index(t) for t in r]
+        assert torch.equal(calls[j][1], calls[j - 1][3][:, at])  # step j-1's pre-norm output at the same t
+        assert calls[j][1].grad_fn is not None  # ... with its graph
+        ids = torch.tensor([[10, 11, 12, 13, 14, 15][1 + j :] + [0] * (1 + j)])[:, r]
         torch.testing.assert_close(calls[j][0], embed[ids])  # data tokens x_{t+1+j}, not the argmax
-        assert calls[j][2].tolist() == [[j, j + 1, j + 2, j + 3, j + 4, j + 5]]
+        assert calls[j][2].tolist() == [[t + j for t in r]]
 
 
 def test_loss_and_accuracy_rules(draft):
@@ -247,6 +252,38 @@ def test_fast_path_equals_the_plain_path(draft, steps, device):
     assert plain.counted[0] > 0 and plain.trained[-1] > 0
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=10 * tol["rtol"], atol=tol["atol"], msg=k)
+
+
+@pytest.mark.parametrize("steps", [2, 3, 5])
+def test_later_steps_run_only_where_the_loss_reads_them(draft, steps):
+    """The plain unroll of one row (B = 1) computes steps ≥ 1 at chain_rows only; the same row twice (B = 2:
+    every position, the mean over both equals one row's) gives the same loss, counts and gradients."""
+    from eaglepipe.ttt import chain_rows
+
+    embed = torch.randn(99, 32)
+    b, soft = _packed_case()
+    b.loss_mask = (b.positions >= torch.tensor([8, 5, 8])[b.doc]) & b.loss_mask  # a prompt, then the answer
+    rows = chain_rows([align_step(b, soft, j).trained for j in range(steps)])
+    assert rows[0] is None and 0 < len(rows[-1]) < 37 // 2 and len(rows[-1]) <= len(rows[1]) < 37  # prompts drop out
+    assert all(set(rows[j + 1].tolist()) <= set(rows[j].tolist()) for j in range(1, steps - 1))
+    two = Batch(**{k: None if v is None else torch.cat([v, v]) for k, v in vars(b).items()})
+    soft2 = SoftTargets(p=torch.cat([soft.p, soft.p]), top=torch.cat([soft.top, soft.top]),
+                        top_in_vocab=torch.cat([soft.top_in_vocab, soft.top_in_vocab]))
+    results, grads = [], []
+    for bb, ss in ((b, soft), (two, soft2)):
+        draft.zero_grad(set_to_none=True)
+        r = ttt_unroll(draft, embed, bb, ss, steps=steps, decay=0.8)
+        r.loss.backward()
+        results.append(r)
+        grads.append({k: v.grad.clone() for k, v in draft.named_parameters()})
+    one, full = results
+    torch.testing.assert_close(one.loss, full.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one.step_loss, full.step_loss, rtol=1e-5, atol=1e-6)
+    for f in ("correct", "counted", "trained"):
+        assert [2 * x for x in getattr(one, f).tolist()] == getattr(full, f).tolist(), f
+    assert one.trained[-1] > 0
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("fast", [False, True])
