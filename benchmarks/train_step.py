@@ -4,6 +4,7 @@ lengths), aux states / h[N] in bf16, bf16 autocast with fp32 master weights for 
 
     python benchmarks/train_step.py                      # shapes A B, TTT 3 7, every implementation found
     python benchmarks/train_step.py --shapes A --impls eaglepipe-plain eaglepipe-fast --iters 4
+    python benchmarks/train_step.py --loss-mask prompt-reply   # each sample a prompt (68 %), then its reply
 
 Implementations (``impl`` in the JSON):
 - ``eaglepipe-plain``: ttt.ttt_unroll as train.py runs it without ``train.fast`` (fp32 teacher product).
@@ -17,12 +18,20 @@ Implementations (``impl`` in the JSON):
   flex attention, its fused Triton KL loss kept out of the compiled graph), lm_head frozen (its default) / trained.
 Peers are imported only here (``--peer-path``: where their wheels were installed); a missing peer is skipped.
 
+Loss mask (``loss_mask`` in the JSON; every implementation gets the same inputs): ``iid`` (default, the rows
+measured before this option): each token's loss_mask is an independent draw, True with probability 0.7, so
+chain rows cover nearly every position; ``prompt-reply``: each sample's first ``--prompt-fraction`` of tokens is
+prompt (loss_mask False), the rest its reply (True), as real rows are: eaglepipe's plain and fast steps then
+compute TTT steps >= 1 only at the reply positions (ttt.chain_rows).
+
 Figures: tokens_per_s = tokens / mean step time over ``--iters`` steps after ``--warmup`` steps;
 peak_gib = torch.cuda.max_memory_allocated over set-up and steps, plus the shared embeddings eaglepipe holds
 (speculators copies them into its model, so they are counted there); tflops = the step's matmul FLOPs (draft
 forward and backward: qkv/o/MLP/lm_head per TTT step, fc once, weight gradients only for trained weights,
 input gradients where needed, attention QKᵀ and PV over the visible keys, and the teacher's h[N]·lm_headᵀ
-over the draft vocabulary) / step time. Rows go to ``--out`` (rows of the same impl/shape/ttt are replaced).
+over the draft vocabulary) / step time, every position of every step counted whatever an implementation
+skips (the same work credited to each). Rows go to ``--out`` (rows of the same impl/shape/ttt/loss_mask are
+replaced).
 """
 
 from __future__ import annotations
@@ -80,19 +89,30 @@ def doc_lengths(tokens: int, seed: int) -> list[int]:
     return out
 
 
-def make_inputs(s: Shape, tokens: int, seed: int, device) -> dict:
+LOSS_MASKS = ("iid", "prompt-reply")
+# The prompt share of the CPU defaults' training tokens: reports/extract.json, loss_tokens 7,667 of 24,103
+# tokens (31.8 % assistant text).
+PROMPT_FRACTION = 0.68
+
+
+def make_inputs(s: Shape, tokens: int, seed: int, device, loss_mask: str = "iid",
+                prompt_fraction: float = PROMPT_FRACTION) -> dict:
+    """Random inputs of one packed row; ``loss_mask`` "iid" or "prompt-reply" (module docstring). The other
+    inputs do not depend on it. Raises ValueError for another ``loss_mask``."""
+    if loss_mask not in LOSS_MASKS:
+        raise ValueError(f"loss_mask {loss_mask!r}: one of {LOSS_MASKS}")
     g = torch.Generator().manual_seed(seed)
     lens = doc_lengths(tokens, seed)
     doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])[None]  # (1, T)
     pos = torch.cat([torch.arange(n) for n in lens])[None]  # (1, T)
     t2d = torch.zeros(s.vocab, dtype=torch.bool)
     t2d[torch.randperm(s.vocab, generator=g)[: s.draft_vocab]] = True
-    return dict(
+    x = dict(
         lens=lens,
         input_ids=torch.randint(0, s.vocab, (1, tokens), generator=g).to(device),
         positions=pos.to(device),
         doc=doc.to(device),
-        loss_mask=(torch.rand(1, tokens, generator=g) < 0.7).to(device),
+        loss_mask=(torch.rand(1, tokens, generator=g) < 0.7).to(device),  # iid; drawn either way (same inputs)
         aux=torch.randn(1, tokens, 3, s.hidden, generator=g).to(device, torch.bfloat16),
         last=(4 * torch.randn(1, tokens, s.hidden, generator=g)).to(device, torch.bfloat16),
         top_in_vocab=(torch.rand(1, tokens, generator=g) < 0.9).to(device),
@@ -102,6 +122,10 @@ def make_inputs(s: Shape, tokens: int, seed: int, device) -> dict:
         lm_head=(0.02 * torch.randn(s.vocab, s.hidden, generator=g)).to(device),
         norm=torch.ones(s.hidden, device=device),
     )
+    if loss_mask == "prompt-reply":  # loss_mask[t]: x_{t+1} is reply text (the sample's last t: nothing follows)
+        n = torch.tensor(lens)[doc]  # (1, T) length of each position's sample
+        x["loss_mask"] = ((pos + 1 >= (prompt_fraction * n).round()) & (pos + 1 < n)).to(device)
+    return x
 
 
 def matmul_flops(s: Shape, lens: list[int], ttt: int, lm_head_trained: bool) -> float:
@@ -304,9 +328,10 @@ def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int) -> 
     return row
 
 
-def parity_check(s: Shape, tokens: int, ttt: int) -> dict:
-    """Plain vs fast step on CUDA (bf16 autocast): loss and gradient relative differences, same weights/inputs."""
-    x = make_inputs(s, tokens, 1, "cuda")
+def parity_check(s: Shape, tokens: int, ttt: int, mask: dict) -> dict:
+    """Plain vs fast step on CUDA (bf16 autocast): loss and gradient relative differences, same weights/inputs;
+    ``mask``: make_inputs' loss_mask (and prompt_fraction) arguments, recorded in the result."""
+    x = make_inputs(s, tokens, 1, "cuda", **mask)
     out = {}
     for fast in (False, True):
         draft = seeded_draft(s, x)
@@ -319,7 +344,8 @@ def parity_check(s: Shape, tokens: int, ttt: int) -> dict:
         out[fast] = (r, {k: p.grad.float() for k, p in draft.named_parameters()})
     (rp, gp), (rf, gf) = out[False], out[True]
     rel = {k: float((gf[k] - gp[k]).norm() / gp[k].norm().clamp(min=1e-30)) for k in gp}
-    return {"shape": s.name, "tokens": tokens, "ttt": ttt, "loss_plain": float(rp.loss), "loss_fast": float(rf.loss),
+    return {"shape": s.name, "tokens": tokens, "ttt": ttt, **mask,
+            "loss_plain": float(rp.loss), "loss_fast": float(rf.loss),
             "loss_rel_diff": abs(float(rf.loss) - float(rp.loss)) / abs(float(rp.loss)),
             "counts_equal": rp.counted.tolist() == rf.counted.tolist() and rp.trained.tolist() == rf.trained.tolist(),
             "correct_plain": rp.correct.tolist(), "correct_fast": rf.correct.tolist(),
@@ -341,10 +367,11 @@ def teacher_check(s: Shape, tokens: int) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'impl':24} {'shape':5} {'ttt':>3} {'tok/s':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'%peak':>6} {'ms':>8}")
+    print(f"{'impl':28} {'shape':5} {'ttt':>3} {'mask':12} {'tok/s':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'%peak':>6} "
+          f"{'ms':>8}")
     for r in rows:
-        print(f"{r['impl']:24} {r['shape']:5} {r['ttt']:>3} {r['tokens_per_s']:>9} {r['peak_gib']:>9} "
-              f"{r['tflops']:>8} {100 * r['tflops'] / 790:>5.1f}% {r.get('step_ms', 0):>8}")
+        print(f"{r['impl']:28} {r['shape']:5} {r['ttt']:>3} {r.get('loss_mask', 'iid'):12} {r['tokens_per_s']:>9} "
+              f"{r['peak_gib']:>9} {r['tflops']:>8} {100 * r['tflops'] / 790:>5.1f}% {r.get('step_ms', 0):>8}")
 
 
 def main() -> None:
@@ -355,10 +382,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--loss-mask", choices=LOSS_MASKS, default="iid",
+                    help="iid: independent draws (the rows measured before this option); prompt-reply: each sample "
+                         "a prompt, then its reply (see the module docstring)")
+    ap.add_argument("--prompt-fraction", type=float, default=PROMPT_FRACTION,
+                    help="prompt-reply: the share of each sample that is prompt (default: the CPU defaults')")
     ap.add_argument("--checks", action="store_true", help="also the plain-vs-fast and teacher-precision checks")
     ap.add_argument("--peer-path", default=None, help="folder the peers' wheels were installed into")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "h200" / "train_step.json"))
     a = ap.parse_args()
+    mask = {"loss_mask": a.loss_mask, **({"prompt_fraction": a.prompt_fraction} if a.loss_mask == "prompt-reply"
+                                          else {})}  # make_inputs' arguments, and keys of each JSON row
     if a.peer_path:  # after the image's own packages: only what is missing there comes from the wheels
         sys.path.append(a.peer_path)
     install_stubs()
@@ -371,7 +405,7 @@ def main() -> None:
     print("device:", device, "torch", torch.__version__, flush=True)
     checks = []
     if a.checks:
-        for c in (lambda: parity_check(SHAPES["A"], 4096, 3), lambda: parity_check(SHAPES["B"], 4096, 3),
+        for c in (lambda: parity_check(SHAPES["A"], 4096, 3, mask), lambda: parity_check(SHAPES["B"], 4096, 3, mask),
                   lambda: teacher_check(SHAPES["B"], 4096)):
             try:
                 checks.append(c())
@@ -384,7 +418,7 @@ def main() -> None:
     new = []
     for sname in a.shapes:
         s = SHAPES[sname]
-        x = make_inputs(s, a.tokens, 0, "cuda")
+        x = make_inputs(s, a.tokens, 0, "cuda", **mask)
         for ttt in a.ttt:
             for impl in a.impls:
                 try:
@@ -395,7 +429,7 @@ def main() -> None:
                     gc.collect()
                     torch.cuda.empty_cache()
                     continue
-                r["device"], r["measured"] = device, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                r.update(mask, device=device, measured=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
                 new.append(r)
                 print_table([r])
                 sys.stdout.flush()
@@ -407,11 +441,16 @@ def main() -> None:
     print_table(write_rows(out, rows, new))
 
 
+def row_key(r: dict) -> tuple:
+    """What a row measured: impl, shape, TTT steps and loss mask (rows without one: iid, measured before it)."""
+    return r["impl"], r["shape"], r["ttt"], r.get("loss_mask", "iid"), r.get("prompt_fraction", 0.0)
+
+
 def write_rows(out: Path, old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` rows without those that ``new`` measured again, plus ``new``; written to ``out``."""
-    keys = {(r["impl"], r["shape"], r["ttt"]) for r in new}
-    rows = sorted([r for r in old if (r["impl"], r["shape"], r["ttt"]) not in keys] + new,
-                  key=lambda r: (r["shape"], r["ttt"], r["impl"]))
+    """``old`` rows without those that ``new`` measured again (:func:`row_key`), plus ``new``; written to ``out``."""
+    keys = {row_key(r) for r in new}
+    rows = sorted([r for r in old if row_key(r) not in keys] + new,
+                  key=lambda r: (r["shape"], r["ttt"], r["impl"], *row_key(r)[3:]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     return rows

@@ -36,11 +36,13 @@ is a T×T product, the later blocks are diagonals computed as dot products, so m
 steps; steps ≥ 1 only at the positions whose chain the loss reads, :func:`chain_rows`) and the fast one
 (:class:`FlexTTTAttention` on CUDA: flex_attention over [step 0 | … | step j] keys with a block-sparse mask,
 never a T×T tensor; :func:`soft_ce` for the loss: the soft cross-entropy and its gradient computed with the
-lm_head product, the fp32 softmax one chunk of tokens at a time, the soft targets read through slices instead of
-shifted copies; every position of every step). Both give the same loss and gradients: tests/test_ttt.py
-compares them on CPU in fp32 (there the fast path keeps the plain attention: flex_attention has no CPU
-backward); on the H200 under bf16 autocast they agreed to 2e-7 in the loss and within 1 % in each gradient's
-norm, bf16 rounding (benchmarks/h200/train_step_checks.json).
+lm_head product, the fp32 softmax one chunk of tokens at a time, the soft targets read through slices or row
+indices instead of shifted copies; steps ≥ 1 at the chain rows too, padded to one of few lengths on CUDA,
+:func:`flex_rows`). Both give the same loss and gradients: tests/test_ttt.py compares them on CPU in fp32 (there
+the fast path keeps the plain attention: flex_attention has no CPU backward; its forward, the compacted flex
+path included, is compared there too); on the H200 under bf16 autocast they agreed to 2e-7 in the loss and
+within 1 % in each gradient's norm, bf16 rounding (benchmarks/h200/train_step_checks.json, measured before the
+fast path's steps ≥ 1 ran at the chain rows only).
 
 Loss of step j: soft cross-entropy −Σ_v p_{t+1+j}(v) log q(v) over the draft vocabulary, averaged over the
 counted positions whose target top-1 is in the draft vocabulary (target_head.py), weighted step_decay**j.
@@ -167,84 +169,122 @@ def uses_flex(head_dim: int, device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
 
 
-def ttt_mask_mod(doc: torch.Tensor):
-    """flex_attention mask_mod of the TTT mask over keys [step 0 | step 1 | …] for doc (B, T):
-    key kv (step kv // T, position s = kv % T) is visible to query t iff (kv ≤ t and same sample) or s == t."""
+def sample_starts(doc: torch.Tensor) -> torch.Tensor:
+    """doc (B, T), samples contiguous (packed rows) → (B, T) int64: the first position of each position's sample."""
     T = doc.shape[1]
+    new = torch.ones_like(doc, dtype=torch.bool)
+    new[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return torch.where(new, torch.arange(T, device=doc.device), 0).cummax(1).values  # (B, T)
+
+
+def ttt_mask_mod(doc: torch.Tensor, q_at: torch.Tensor, kv_at: torch.Tensor):
+    """flex_attention mask_mod of one TTT step over keys [step 0 | step 1 | …]: query q at position q_at[q] (Q,),
+    key kv at position kv_at[kv] (KV,; the first T entries are step 0's keys 0..T-1). doc (B, T+1): the samples
+    and, at T, a value no sample has. Key kv is visible to query t iff it is at t, or a step-0 key of t's sample
+    at or before t; padding (position T) sees only padding and is seen by nothing else."""
+    T = doc.shape[1] - 1
 
     def mask_mod(b, h, q, kv):
-        s = kv % T
-        return ((kv <= q) & (doc[b, q] == doc[b, s])) | (s == q)
+        t, s = q_at[q], kv_at[kv]
+        return (s == t) | ((kv < T) & (s <= t) & (doc[b, s] == doc[b, t]))
 
     return mask_mod
 
 
-def extend_block_mask(bm, mask_mod, T: int):
-    """BlockMask over keys [step 0 | … | step i] → the same plus step i+1's keys, which only the diagonal sees
-    (one partial block per query block: block qb of step i+1 is key block n_kv + qb). T % BLOCK == 0."""
+def ttt_block_mask(start: torch.Tensor, ats: list[torch.Tensor], mask_mod):
+    """BlockMask of step j = len(ats)-1 for :class:`FlexTTTAttention`, built from block bounds (O(blocks), no
+    Q×KV evaluation). start (B, T): :func:`sample_starts`; ats[i] (N_i,) the positions of step i's queries and
+    keys (ats[0] = 0..T-1; later ascending, then T for padding), every N_i % BLOCK == 0.
+
+    Query block of positions a..b (a its first, b its last real one) needs the step-0 key blocks in
+    [start[a], b] (full where they lie in [start[b], a], a block without padding) and, for each step i ≥ 1, the
+    blocks of ats[i] holding positions a..b (and padding); blocks listed but empty only cost time."""
+    T, q = start.shape[1], ats[-1].view(-1, BLOCK)  # (nq, BLOCK)
+    a, b_any = q[:, 0].contiguous(), q[:, -1].contiguous()  # (nq,) first position, last entry (T: padding)
+    b = q.masked_fill(q >= T, -1).max(1).values  # (nq,) last real position, -1 if none
+    kb = torch.arange(T // BLOCK, device=q.device) * BLOCK  # (n0,) first key of each step-0 block
+    lo = start[:, a.clamp(max=T - 1)]  # (B, nq)
+    parts = [(kb + BLOCK > lo[..., None]) & (kb <= b[:, None])]  # (B, nq, n0) step-0 blocks
+    hi_start = start[:, b.clamp(min=0)]  # (B, nq)
+    full = [(kb >= hi_start[..., None]) & (kb + BLOCK - 1 <= a[:, None]) & (b_any < T)[:, None]]
+    for at in ats[1:]:
+        i0 = torch.searchsorted(at, a) // BLOCK  # (nq,) blocks of at holding a .. b_any
+        i1 = (torch.searchsorted(at, b_any, right=True) - 1) // BLOCK
+        kbi = torch.arange(at.shape[0] // BLOCK, device=q.device)  # (ni,)
+        parts.append(((kbi >= i0[:, None]) & (kbi <= i1[:, None])).expand(lo.shape[0], -1, -1))  # (B, nq, ni)
+        full.append(torch.zeros_like(parts[-1]))
+    full = torch.cat(full, -1)  # (B, nq, nkv)
+    partial = torch.cat(parts, -1) & ~full
+    return block_mask_from_tables(partial, full, mask_mod, (q.numel(), sum(x.shape[0] for x in ats)))
+
+
+def block_mask_from_tables(partial: torch.Tensor, full: torch.Tensor, mask_mod, seq_lengths: tuple[int, int]):
+    """Block tables (B, nq, nkv) bool, partial (mask_mod evaluated) and full → BlockMask (BLOCK × BLOCK)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices  # (B, 1, nq), (B, 1, nq, n_kv)
-    B, H, nq, n_kv = kv_idx.shape
-    kv_idx = torch.cat([kv_idx, kv_idx.new_zeros(B, H, nq, nq)], dim=-1)  # (B, 1, nq, n_kv + nq)
-    new = torch.arange(n_kv, n_kv + nq, dtype=kv_idx.dtype, device=kv_idx.device).view(1, 1, nq, 1)
-    kv_idx.scatter_(-1, kv_num.long().unsqueeze(-1), new.expand(B, H, nq, 1))
-    full = bm.full_kv_indices
-    if full is not None:
-        full = torch.cat([full, full.new_zeros(B, H, nq, nq)], dim=-1)
-    return BlockMask.from_kv_blocks(kv_num + 1, kv_idx, bm.full_kv_num_blocks, full, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(T, T + n_kv * BLOCK))
+    def ordered(d):  # (B, nq, nkv) → counts (B, 1, nq), indices (B, 1, nq, nkv) int32, listed ones first, ascending
+        idx = torch.sort(d.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        return d.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=seq_lengths)
 
 
 _flex = None
 
 
 def flex_attention_fn():
-    """flex_attention, compiled once per process on CUDA (eager flex is a dense reference implementation)."""
+    """flex_attention, compiled once per process on CUDA (eager flex is a dense reference implementation), with
+    static shapes as :func:`compile_draft`'s."""
     global _flex
     if _flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _flex = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+        _flex = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
     return _flex
 
 
 class FlexTTTAttention:
     """The ``attend`` of the unrolled steps through flex_attention (same mask as :class:`TTTAttention`).
 
-    doc: (B, T) with T % BLOCK == 0. Step j's query block sees the step-0 blocks of its samples' causal past and
-    one diagonal block per later step, so the work is the step-0 attention plus j·T·BLOCK per head."""
+    doc: (B, T) with T % BLOCK == 0, samples contiguous. ``at`` as :class:`TTTAttention`'s, except that a later
+    step's (N,) has N % BLOCK == 0 and ends in padding entries T (:func:`flex_rows`). Keys are
+    [step 0 (T) | step 1 (N_1) | … | step j (N_j)]; a query block sees the step-0 blocks of its samples' causal
+    past and the blocks of each later step that hold its positions, so step j ≥ 1 costs about
+    N_j · (its samples' step-0 span + j·BLOCK) per head. Raises AssertionError when T % BLOCK != 0."""
 
     def __init__(self, doc: torch.Tensor):
-        from torch.nn.attention.flex_attention import create_block_mask
-
         B, T = doc.shape
         assert T % BLOCK == 0, f"FlexTTTAttention needs T % {BLOCK} == 0, got T = {T}"
-        self.T, self.mask_mod = T, ttt_mask_mod(doc)
-        self.masks = [create_block_mask(self.mask_mod, B, None, T, T, device=doc.device, BLOCK_SIZE=BLOCK)]
+        self.doc = torch.cat([doc, doc.min(1, keepdim=True).values - 1], 1)  # (B, T+1): T in no sample
+        self.start = sample_starts(doc)  # (B, T)
+        self.ats = [torch.arange(T, device=doc.device)]  # positions of each step's queries and keys
+        self.at: torch.Tensor | None = None
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
 
     @torch.compiler.disable
-    def mask(self, j: int):
-        """Block mask of step j (built on first use by extending step j-1's)."""
-        while len(self.masks) <= j:
-            self.masks.append(extend_block_mask(self.masks[-1], self.mask_mod, self.T))
-        return self.masks[j]
+    def mask(self):
+        """Block mask of the next step, at ``at`` (built eagerly: the tables depend on the data)."""
+        if self.ks:  # step ≥ 1
+            self.ats.append(self.ats[0] if self.at is None else self.at)
+        mod = ttt_mask_mod(self.doc, self.ats[-1], torch.cat(self.ats))  # keys at (T + Σ N_i,)
+        return ttt_block_mask(self.start, self.ats, mod)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.ks.append(k)  # (B, nkv, T, hd)
+        bm = self.mask()
+        self.ks.append(k)  # (B, nkv, N_j, hd)
         self.vs.append(v)
-        j = len(self.ks) - 1
-        K = torch.cat(self.ks, dim=2) if j else k  # (B, nkv, (j+1)·T, hd)
-        V = torch.cat(self.vs, dim=2) if j else v
-        return flex_attention_fn()(q, K, V, block_mask=self.mask(j), enable_gqa=q.shape[1] != k.shape[1])
+        K = torch.cat(self.ks, dim=2) if len(self.ks) > 1 else k  # (B, nkv, T + Σ N_i, hd)
+        V = torch.cat(self.vs, dim=2) if len(self.vs) > 1 else v
+        return flex_attention_fn()(q, K, V, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class SoftCE(torch.autograd.Function):
     """Σ_t w_t · (−Σ_v p_tv log softmax(x_t Wᵀ)_v) and argmax_v (x_t Wᵀ), ``chunk`` tokens at a time.
 
-    x (N, H) the normed draft output, W (Vd, H) lm_head, p (N, Vd) soft targets, w (N,) fp32 weights.
+    x (N, H) the normed draft output, W (Vd, H) lm_head, p (M, Vd) soft targets, w (N,) fp32 weights, p_rows
+    (N,) int64 or None: x's row i is scored against p[p_rows[i]] (None: p[i], M = N).
     Only the n rows with w > 0 are multiplied (the rest add nothing to the loss or the gradient; their argmax
     is returned as 0): on real data the loss reads assistant tokens only (about a third of the CPU defaults'
     positions). The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one
@@ -254,12 +294,12 @@ class SoftCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, W, p, w, chunk: int, grad: bool):
+    def forward(ctx, x, W, p, w, chunk: int, grad: bool, p_rows):
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         need_x, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         N, idx = x.shape[0], (w > 0).nonzero().squeeze(1)  # (n,) the rows that count
-        x, p, w = x[idx], p[idx], w[idx]  # (n, H), (n, Vd), (n,)
+        x, p, w = x[idx], p[idx if p_rows is None else p_rows[idx]], w[idx]  # (n, H), (n, Vd), (n,)
         with torch.autocast(dev, enabled=False):
             xd, Wd = x.to(dt), W.to(dt)  # (n, H), (Vd, H)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -282,7 +322,7 @@ class SoftCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_arg):
         gx, gW = ctx.saved_tensors
         return (None if gx is None else gx * grad_loss.to(gx.dtype),
-                None if gW is None else (gW * grad_loss).to(ctx.w_dtype), None, None, None, None)
+                None if gW is None else (gW * grad_loss).to(ctx.w_dtype), None, None, None, None, None)
 
 
 def _soft_ce_chunk_impl(z: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool):
@@ -307,12 +347,14 @@ def _soft_ce_chunk(z, p, w, grad: bool):
     return _soft_ce_compiled(z, p, w, grad)
 
 
-def soft_ce(x: torch.Tensor, W: torch.Tensor, p: torch.Tensor, w: torch.Tensor, chunk: int | None = None):
-    """See :class:`SoftCE`; x (..., H), p (..., Vd), w (...) → (Σ w·ce scalar fp32, argmax (...))."""
+def soft_ce(x: torch.Tensor, W: torch.Tensor, p: torch.Tensor, w: torch.Tensor, chunk: int | None = None,
+            p_rows: torch.Tensor | None = None):
+    """See :class:`SoftCE`; x (..., H), p (..., Vd), w (...), p_rows None or (...) int64 rows of p flattened to
+    (-1, Vd) (None: p has x's shape) → (Σ w·ce scalar fp32, argmax (...))."""
     lead = x.shape[:-1]
     chunk = chunk or max(256, (1 << 25) // W.shape[0])  # ~32M logits (128 MB fp32) per chunk
-    loss, arg = SoftCE.apply(x.reshape(-1, x.shape[-1]), W, p.reshape(-1, p.shape[-1]),
-                             w.reshape(-1).float(), chunk, torch.is_grad_enabled())
+    loss, arg = SoftCE.apply(x.reshape(-1, x.shape[-1]), W, p.reshape(-1, p.shape[-1]), w.reshape(-1).float(),
+                             chunk, torch.is_grad_enabled(), None if p_rows is None else p_rows.reshape(-1))
     return loss, arg.view(lead)
 
 
@@ -429,36 +471,87 @@ def pad_batch(batch: Batch, T: int) -> Batch:
         top_in_vocab=None if batch.top_in_vocab is None else pad_to(batch.top_in_vocab, T, False))
 
 
+BUCKETS = 8  # the flex path's later-step query lengths: multiples of T/BUCKETS (:func:`flex_rows`)
+
+
+def flex_rows(rows: list[torch.Tensor | None], T: int) -> list[torch.Tensor | None]:
+    """:func:`chain_rows` for :class:`FlexTTTAttention` over a row of T positions (T % BLOCK == 0): every later
+    step's (n_j,) padded with T to one length N = n_1 (the largest: rows are nested) rounded up to a multiple of
+    T/BUCKETS in BLOCKs (at least one such multiple, at most T).
+
+    Why buckets and not the exact n_j: torch.compile specializes on shapes, so exact counts would compile the
+    draft layer anew for almost every row (pad_batch's docstring: past the recompile limit it runs eager, flex
+    unfused). With one N per row for all later steps and N one of ≤ BUCKETS sizes, the graphs are one per
+    (step, N, grad mode): ≤ 1 + BUCKETS·(steps−1) per grad mode, and a run whose rows carry a similar share of
+    assistant text meets two or three Ns. The price: up to T/BUCKETS padded queries per later step (their keys are
+    seen by padding only, their outputs are never scored)."""
+    if len(rows) < 2:
+        return rows
+    g = BLOCK * -(-T // (BLOCK * BUCKETS))  # bucket width, a multiple of BLOCK, ≤ T
+    N = min(T, max(g, -(-rows[1].numel() // g) * g))
+    return [None] + [torch.cat([r, r.new_full((N - r.numel(),), T)]) for r in rows[1:]]
+
+
+def _index_in(have: torch.Tensor | None, want: torch.Tensor, n: int) -> torch.Tensor:
+    """(N,) rows of a step output of n rows at positions ``have`` ((n,) ascending; None: 0..n-1) that hold the
+    positions ``want`` ⊆ have; padding entries of want (past every real position) get some row (clamped)."""
+    return (want if have is None else torch.searchsorted(have, want)).clamp(max=n - 1)
+
+
+def _step_ce(draft: Eagle3Draft, out: torch.Tensor, soft: SoftTargets, tr: torch.Tensor, n: int,
+             at: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step j's (n = 1+j) Σ w·ce (scalar fp32) and hits (int64: trained positions where the draft's argmax is the
+    target's), from its pre-norm output ``out`` (B, ·, H) at positions ``at`` (None: 0, 1, …; else (N,), B = 1,
+    padding ≥ T) and its trained mask tr (B, T). p_{t+1+j} is read through a slice or row indices of soft.p,
+    never a shifted copy."""
+    T, W = tr.shape[1], draft.lm_head.weight
+    if at is None:
+        m = T - n  # positions t < m have a successor x_{t+1+j} in the row
+        if m <= 0:
+            return out.sum() * 0.0, tr.sum()
+        ce, arg = soft_ce(draft.norm(out[:, :m]), W, soft.p[:, n:], tr[:, :m])  # (), (B, m)
+        return ce, (tr[:, :m] & (arg == soft.top[:, n:])).sum()
+    s = (at + n).clamp(max=T - 1)  # (N,) row of p_{t+1+j} (inside the row wherever t is trained)
+    w = tr[:, at.clamp(max=T - 1)]  # (1, N): padding reads position T-1, never trained (nothing follows it)
+    ce, arg = soft_ce(draft.norm(out), W, soft.p, w, p_rows=s[None])  # (), (1, N)
+    return ce, (w & (arg == soft.top[:, s])).sum()
+
+
 def ttt_unroll_fast(
     draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float
 ) -> TTTResult:
     """:func:`ttt_unroll` computed faster, same results. On CUDA (head_dim >= 16: :func:`uses_flex`) the row is padded
     to a multiple of BLOCK (padding is a sample of its own, never counted) and attention runs through
-    :class:`FlexTTTAttention`. Step j's soft targets p_{t+1+j} are the slice p[:, 1+j:] against
-    logits[:, :T-1-j]: positions t ≥ T-1-j are never counted (nothing follows them in the row), so they are not
-    computed."""
-    T = batch.input_ids.shape[1]
-    flex = uses_flex(draft.cfg.head_dim, batch.input_ids.device)
+    :class:`FlexTTTAttention`. With one row (B = 1), steps ≥ 1 run only at :func:`chain_rows`, on the flex path
+    padded to one of few lengths (:func:`flex_rows`); on CUDA without flex every position (the compiled plain
+    attention takes no padding, and exact counts would recompile it per row). Positions t ≥ T-1-j are never
+    counted at step j (nothing follows them in the row), so they are not scored."""
+    B, T = batch.input_ids.shape
+    dev = batch.input_ids.device
+    flex = uses_flex(draft.cfg.head_dim, dev)
     Tp = -(-T // BLOCK) * BLOCK if flex else T
-    aux = batch.aux if torch.is_autocast_enabled(batch.aux.device.type) else batch.aux.to(embed.dtype)  # no fp32 copy
+    aux = batch.aux if torch.is_autocast_enabled(dev.type) else batch.aux.to(embed.dtype)  # no fp32 copy
     hidden = pad_to(draft.project(aux), Tp, 0.0)  # (B, Tp, H) step-0 hidden: fc(g_t)
     ids, positions = pad_to(batch.input_ids, Tp, 0), pad_to(batch.positions, Tp, 0)  # (B, Tp)
     doc = pad_to(batch.doc, Tp, -1 if T == Tp else int(batch.doc.max()) + 1)  # (B, Tp)
     att = FlexTTTAttention(doc) if flex else TTTAttention(doc)
+    masks = [counted_trained(batch, soft, j) for j in range(steps)]  # (B, T) counted, trained per step
+    rows = [None] * steps
+    if B == 1 and (flex or dev.type != "cuda"):
+        rows = chain_rows([tr for _, tr in masks])
+        rows = flex_rows(rows, Tp) if flex else rows
     loss = hidden.new_zeros((), dtype=torch.float32)
     step_loss, correct, counted, trained = [], [], [], []
-    for j in range(steps):
+    for j, at in enumerate(rows):
         n = 1 + j
-        emb = F.embedding(shift_left(ids, n, 0), embed)  # (B, Tp, H) token x_{t+1+j}
-        out = draft.layer(emb, hidden, positions + j, att.attend)  # (B, Tp, H) pre-norm
-        c = (shift_left(batch.doc, n, -2) == batch.doc) & shift_left(batch.loss_mask, n, False)  # (B, T) counted
-        tr = c & shift_left(soft.top_in_vocab, n, False)  # (B, T) trained
-        m = T - n  # positions t < m have a successor x_{t+1+j} in the row
-        if m > 0:
-            ce, arg = soft_ce(draft.norm(out[:, :m]), draft.lm_head.weight, soft.p[:, n:], tr[:, :m])  # (), (B, m)
-            hits = (tr[:, :m] & (arg == soft.top[:, n:])).sum()
-        else:
-            ce, hits = out.sum() * 0.0, tr.sum()
+        g = slice(None) if at is None else at.clamp(max=Tp - 1)  # the positions computed (padding: any)
+        if at is not None:
+            hidden = hidden[:, _index_in(rows[j - 1], at, hidden.shape[1])]  # (B, N, H) step j-1's, same t
+        emb = F.embedding(shift_left(ids, n, 0)[:, g], embed)  # (B, N, H) token x_{t+1+j}
+        att.at = at
+        out = draft.layer(emb, hidden, (positions + j)[:, g], att.attend)  # (B, N, H) pre-norm
+        c, tr = masks[j]
+        ce, hits = _step_ce(draft, out, soft, tr, n, at)
         w = tr.sum()
         loss_j = ce / w.clamp(min=1).float()
         loss = loss + decay**j * loss_j
@@ -470,21 +563,23 @@ def ttt_unroll_fast(
     return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
 
 
-
 def compile_draft(draft: Eagle3Draft, whole_layer: bool = True) -> None:
     """torch.compile the draft in place (parameter names unchanged): the decoder layer including its attention
     (flex_attention traced into the graph) and the final norm, or without ``whole_layer`` only the norms and the
     MLP. A no-op off CUDA. (H200, SmolLM2 shapes, 16k tokens: the whole layer was the faster of the two.)"""
     if not torch.cuda.is_available():
         return
-    # Rows have one shape (pad_batch), so the graphs are few: one per TTT step (its key length) and grad mode.
-    # Dynamo's default limit of 8 would send TTT 7's later steps to eager, flex_attention unfused.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Rows have one shape (pad_batch) and steps ≥ 1 one of BUCKETS query lengths (flex_rows), so the static graphs
+    # are few: one per TTT step, later steps' length and grad mode, ≤ 2·(1 + BUCKETS·15) = 242 at ttt_steps'
+    # maximum of 16 (a run meets two or three lengths). Dynamo's default limit of 8 would send later steps to eager.
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 256)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 512)  # the layer's and the norm's
     parts = [draft.midlayer, draft.norm] if whole_layer else [
         draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm,
         draft.midlayer.mlp, draft.norm]
-    for m in parts:
-        m.compile()
+    for m in parts:  # static shapes: dynamo's automatic dynamic ones would give flex a symbolic query length, which
+        m.compile(dynamic=False)  # Inductor's CPU flex kernel failed to compile (torch 2.13); CUDA's was not tried
 
 
 class TTTUnroll(torch.nn.Module):

@@ -254,10 +254,30 @@ def test_fast_path_equals_the_plain_path(draft, steps, device):
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=10 * tol["rtol"], atol=tol["atol"], msg=k)
 
 
+def _prompt_reply(b: Batch, frac: float = 2 / 3) -> Batch:
+    """b with each sample's first ``frac`` of positions prompt (loss_mask False), as real rows are."""
+    n = torch.bincount(b.doc[0])[b.doc]  # (1, T) length of each position's sample
+    b.loss_mask = (b.positions >= frac * n) & b.loss_mask
+    return b
+
+
+def _layer_lengths(draft):
+    """Spy on draft.layer: the list of its calls' query lengths."""
+    lengths, layer = [], draft.layer
+
+    def spy(emb, hidden, positions, attend):
+        lengths.append(emb.shape[1])
+        return layer(emb, hidden, positions, attend)
+
+    draft.layer = spy
+    return lengths
+
+
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("steps", [2, 3, 5])
-def test_later_steps_run_only_where_the_loss_reads_them(draft, steps):
-    """The plain unroll of one row (B = 1) computes steps ≥ 1 at chain_rows only; the same row twice (B = 2:
-    every position, the mean over both equals one row's) gives the same loss, counts and gradients."""
+def test_later_steps_run_only_where_the_loss_reads_them(draft, steps, fast):
+    """The unroll of one row (B = 1) computes steps ≥ 1 at chain_rows only; the same row twice (B = 2: every
+    position, the mean over both equals one row's) gives the same loss, counts and gradients."""
     from eaglepipe.ttt import chain_rows
 
     embed = torch.randn(99, 32)
@@ -269,13 +289,15 @@ def test_later_steps_run_only_where_the_loss_reads_them(draft, steps):
     two = Batch(**{k: None if v is None else torch.cat([v, v]) for k, v in vars(b).items()})
     soft2 = SoftTargets(p=torch.cat([soft.p, soft.p]), top=torch.cat([soft.top, soft.top]),
                         top_in_vocab=torch.cat([soft.top_in_vocab, soft.top_in_vocab]))
+    lengths = _layer_lengths(draft)
     results, grads = [], []
     for bb, ss in ((b, soft), (two, soft2)):
         draft.zero_grad(set_to_none=True)
-        r = ttt_unroll(draft, embed, bb, ss, steps=steps, decay=0.8)
+        r = ttt_unroll(draft, embed, bb, ss, steps=steps, decay=0.8, fast=fast)
         r.loss.backward()
         results.append(r)
         grads.append({k: v.grad.clone() for k, v in draft.named_parameters()})
+    assert lengths == [37] + [len(r) for r in rows[1:]] + [37] * steps
     one, full = results
     torch.testing.assert_close(one.loss, full.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(one.step_loss, full.step_loss, rtol=1e-5, atol=1e-6)
@@ -284,6 +306,36 @@ def test_later_steps_run_only_where_the_loss_reads_them(draft, steps):
     assert one.trained[-1] > 0
     for k in grads[0]:
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("T", [37, 700])
+def test_flex_fast_path_forward_equals_the_plain_path(draft, T, monkeypatch):
+    """The fast path as it runs on CUDA (flex attention, the row padded to BLOCK, steps ≥ 1 at flex_rows' padded
+    chain rows), forced on the CPU: eager flex_attention, forward only (no CPU backward). Same loss and counts
+    as the plain path; the layer runs at the padded lengths."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from eaglepipe import ttt
+
+    monkeypatch.setattr(ttt, "uses_flex", lambda head_dim, device: True)
+    embed = torch.randn(99, 32)
+    b, soft = _packed_case(T)
+    b = _prompt_reply(b)
+    Tp = ttt.padded_length(T)
+    exact = ttt.chain_rows([align_step(b, soft, j).trained for j in range(3)])
+    rows = ttt.flex_rows(exact, Tp)
+    N = len(rows[1])
+    assert N % ttt.BLOCK == 0 and rows[1].eq(Tp).sum() == N - len(exact[1]) > 0  # padding at the end
+    assert torch.equal(rows[2][: len(exact[2])], exact[2])
+    lengths = _layer_lengths(draft)
+    with torch.no_grad():
+        fast = ttt_unroll(draft, embed, b, soft, steps=3, decay=0.8, fast=True)
+        plain = ttt_unroll(draft, embed, b, soft, steps=3, decay=0.8)
+    assert lengths == [Tp, N, N, T, len(exact[1]), len(exact[2])]
+    torch.testing.assert_close(fast.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast.step_loss, plain.step_loss, rtol=1e-5, atol=1e-6)
+    for f in ("correct", "counted", "trained"):
+        assert getattr(fast, f).tolist() == getattr(plain, f).tolist(), f
+    assert plain.trained[-1] > 0
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -365,3 +417,69 @@ def test_flex_attention_only_on_cuda_for_heads_of_16_or_more():
 
     assert [uses_flex(hd, "cuda") for hd in (8, 15, 16, 64, 128)] == [False, False, True, True, True]
     assert not uses_flex(128, "cpu") and uses_flex(64, torch.device("cuda", 1))
+
+
+def _block_table(num: torch.Tensor, idx: torch.Tensor, nkv: int) -> torch.Tensor:
+    """BlockMask tables of one row, counts (1, 1, nq) and indices (1, 1, nq, ·) → (nq, nkv) bool: block listed."""
+    nq = num.shape[-1]
+    listed = torch.arange(idx.shape[-1])[None] < num[0, 0][:, None]  # (nq, ·)
+    table = torch.zeros(nq, nkv, dtype=torch.bool)
+    table[torch.arange(nq)[:, None].expand_as(listed)[listed], idx[0, 0][listed].long()] = True
+    return table
+
+
+def _kernel_mask(bm) -> torch.Tensor:
+    """The (Q, KV) mask flex_attention's CUDA kernel applies for BlockMask ``bm`` (B = 1): every key of a full
+    block, mask_mod in a partial block, nothing elsewhere (eager flex on the CPU evaluates mask_mod alone)."""
+    from eaglepipe.ttt import BLOCK
+
+    Q, KV = bm.seq_lengths
+    expand = lambda t: t.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)  # noqa: E731 (nq, nkv) → (Q, KV)
+    partial = expand(_block_table(bm.kv_num_blocks, bm.kv_indices, KV // BLOCK))
+    full = expand(_block_table(bm.full_kv_num_blocks, bm.full_kv_indices, KV // BLOCK))
+    return full | (partial & bm.mask_mod(0, 0, torch.arange(Q)[:, None], torch.arange(KV)[None]))
+
+
+@pytest.mark.parametrize("lens", [[40, 800, 100, 84], [40, 984]])  # the second: a padded block with full ones
+def test_compacted_flex_attention_equals_ttt_attention(lens, monkeypatch):
+    """FlexTTTAttention at flex_rows' padded chain rows against TTTAttention at the exact rows, for a row of
+    samples, each a prompt then its reply (T = 1024, 8 blocks; the second sample's reply fills query blocks).
+    Checked two ways on the CPU: eager flex_attention (its mask_mod; eager flex reads no block tables), and
+    dense attention under the mask the CUDA kernel applies from the block tables, which must be mask_mod's
+    everywhere, padding included."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eaglepipe import ttt
+
+    torch.manual_seed(0)
+    lens, T = torch.tensor(lens), 1024
+    doc = torch.repeat_interleave(torch.arange(len(lens)), lens)  # (T,)
+    pos = torch.cat([torch.arange(n) for n in lens.tolist()])
+    reply = pos >= (2 * lens // 3)[doc]
+    exact = ttt.chain_rows([(reply & (pos + 1 + j < lens[doc]))[None] for j in range(4)])
+    rows = ttt.flex_rows(exact, T)
+    calls = []
+
+    def flex(q, K, V, block_mask, enable_gqa):
+        calls.append((K, V, block_mask))
+        return flex_attention(q, K, V, block_mask=block_mask, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(ttt, "flex_attention_fn", lambda: flex)
+    fa, plain = ttt.FlexTTTAttention(doc[None]), TTTAttention(doc[None])
+    n_full = 0
+    for j, (r, at) in enumerate(zip(exact, rows)):
+        N, n = (T, T) if r is None else (len(at), len(r))
+        q, k, v = torch.randn(1, 4, N, 16), torch.randn(1, 2, N, 16), torch.randn(1, 2, N, 16)
+        fa.at, plain.at = at, r
+        got = fa.attend(q, k, v)
+        want = plain.attend(q[:, :, :n], k[:, :, :n], v[:, :, :n])  # the padding is last
+        torch.testing.assert_close(got[:, :, :n], want, rtol=1e-4, atol=1e-5)
+        K, V, bm = calls[-1]
+        Q, KV = bm.seq_lengths
+        mask = _kernel_mask(bm)
+        assert torch.equal(mask, bm.mask_mod(0, 0, torch.arange(Q)[:, None], torch.arange(KV)[None]))
+        kern = F.scaled_dot_product_attention(q, repeat_kv(K, 2), repeat_kv(V, 2), attn_mask=mask)
+        torch.testing.assert_close(kern[:, :, :n], want, rtol=1e-4, atol=1e-5)
+        n_full += int(bm.full_kv_num_blocks.sum()) if j else 0
+    assert n_full > 0 and len(rows[1]) < T // 2  # compacted steps use full blocks too
