@@ -133,44 +133,82 @@ def to_csv(a) -> None:
     print(Path(a.out).read_text())
 
 
+COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (23, 190, 207), (188, 189, 34), (227, 119, 194)]
+SERVED = ("tau_reference", "tau_vllm", "tau_sglang", "tau_sim_mtbench")  # drawn as squares (served), triangle (sim)
+
+
+def _run(r: dict) -> tuple[int, int, int]:
+    return int(r["conversations"]), int(r["tokens_per_epoch"]), int(r["draft_mlp"])
+
+
+def _axes(d, box, lo: float, hi: float, xs: list[float], xlabel: str, title: str):
+    """Axes in box (x0, y0, x1, y1) for τ in [lo, hi] and x ticks xs (labels given as (x, text)); → the y map."""
+    x0, y0, x1, y1 = box
+    y = lambda t: y1 - (t - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
+    d.line([(x0, y1), (x1, y1)], fill="black"), d.line([(x0, y1), (x0, y0)], fill="black")
+    for t in [lo + i * 0.25 for i in range(int((hi - lo) / 0.25) + 1)]:
+        d.text((x0 - 52, y(t) - 6), f"{t:.2f}", fill="black"), d.line([(x0, y(t)), (x1, y(t))], fill=(225, 225, 225))
+    for x, text in xs:
+        d.text((x - 8, y1 + 6), text, fill="black")
+    d.text(((x0 + x1) // 2 - 40, y1 + 24), xlabel, fill="black")
+    d.text((x0, y0 - 28), title, fill="black")
+    return y
+
+
+def _marker(d, px: float, py: float, col: str, c) -> None:
+    if col == "tau_sim_mtbench":  # a simulation, not a serving: a triangle
+        d.polygon([(px, py - 5), (px - 5, py + 4), (px + 5, py + 4)], outline=c, width=2)
+    else:
+        d.rectangle([px - 4, py - 4, px + 4, py + 4], outline=c, width=2)
+
+
 def render(a) -> None:
-    """benchmarks/h200/scaling.csv → PNG: τ_sim per epoch, one line per conversation count (served τ as dots)."""
+    """benchmarks/h200/scaling.csv → PNG, two panels: τ_sim per epoch, one line per run (served τ as squares,
+    MT-bench τ_sim as triangles); below, each run's exported epoch against its conversations (log scale)."""
+    import math
+
     from PIL import Image, ImageDraw
 
     rows = list(csv.DictReader(open(a.csv)))
-    w, h, pad = 1000, 480, 60
+    w, h, pad = 1000, 900, 60
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     taus = [float(r[c]) for r in rows for c in COLUMNS if c.startswith("tau_") and r[c]]
     lo, hi = 1.0, max(taus + [2.0]) + 0.1
+    runs = sorted({_run(r) for r in rows})
+    base_mlp = min(k[2] for k in runs)  # the target's width; a wider draft MLP is labelled
     epochs = max(int(r["epochs"]) for r in rows)
-    x = lambda e: pad + (e - 1) / max(epochs - 1, 1) * (w - 5 * pad)  # labels beside the last epoch  # noqa: E731
-    y = lambda t: h - pad - (t - lo) / (hi - lo) * (h - 2 * pad)  # noqa: E731
-    d.line([(pad, h - pad), (w - 4 * pad, h - pad)], fill="black"), d.line([(pad, h - pad), (pad, pad)], fill="black")
-    for t in [lo + i * 0.25 for i in range(int((hi - lo) / 0.25) + 1)]:
-        d.text((8, y(t) - 6), f"{t:.2f}", fill="black"), d.line([(pad, y(t)), (w - 4 * pad, y(t))], fill=(225, 225, 225))
-    for e in range(1, epochs + 1):
-        d.text((x(e) - 3, h - pad + 6), str(e), fill="black")
-    d.text((w // 2 - 60, h - 22), "epochs", fill="black")
-    d.text((pad, 12), a.title, fill="black")
-    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-               (23, 190, 207), (188, 189, 34), (227, 119, 194)]
-    run = lambda r: (int(r["conversations"]), int(r["tokens_per_epoch"]), int(r["draft_mlp"]))  # noqa: E731
-    base_mlp = min(int(r["draft_mlp"]) for r in rows)  # the target's width; a wider draft MLP is labelled
-    for i, key in enumerate(sorted({run(r) for r in rows})):
-        c, mine = colours[i % len(colours)], [r for r in rows if run(r) == key]
+    x = lambda e: pad + (e - 1) / max(epochs - 1, 1) * (w - 5 * pad)  # noqa: E731
+    y = _axes(d, (pad, pad, w - 4 * pad, 430), lo, hi, [(x(e), str(e)) for e in range(1, epochs + 1)], "epochs",
+              a.title)
+    for i, key in enumerate(runs):
+        c, mine = COLOURS[i % len(COLOURS)], [r for r in rows if _run(r) == key]
         d.line([(x(int(r["epochs"])), y(float(r["tau_sim"]))) for r in mine], fill=c, width=2)
         wide = f", MLP {key[2]}" if key[2] != base_mlp else ""
-        d.text((w - 2 * pad + 8, 40 + 36 * i), f"{key[0]} conv.{wide}\n{key[1] / 1e6:.2f}M tok/epoch", fill=c)
+        d.text((w - 2 * pad - 30, 40 + 36 * i), f"{key[0]} conv.{wide}\n{key[1] / 1e6:.2f}M tok/epoch", fill=c)
         for r in mine:
-            for j, col in enumerate(("tau_reference", "tau_vllm", "tau_sglang", "tau_sim_mtbench")):
+            for col in SERVED:
                 if r.get(col):
-                    px, py = x(int(r["epochs"])), y(float(r[col]))
-                    if col == "tau_sim_mtbench":  # a simulation, not a serving: a triangle
-                        d.polygon([(px, py - 5), (px - 5, py + 4), (px + 5, py + 4)], outline=c, width=2)
-                    else:
-                        d.rectangle([px - 4, py - 4, px + 4, py + 4], outline=c, width=2)
-                    d.text((px + 8, py - 8 + 14 * (j - 1)), f"{col.removeprefix('tau_')} {float(r[col]):.3f}", fill=c)
+                    _marker(d, x(int(r["epochs"])), y(float(r[col])), col, c)
+    kept = [r for r in rows if any(r.get(col) for col in SERVED)]  # the exported epochs that were measured
+    cs = [int(r["conversations"]) for r in kept]
+    lx = lambda n: pad + (math.log2(n) - math.log2(min(cs))) / max(math.log2(max(cs) / min(cs)), 1) * (w - 5 * pad)  # noqa: E731
+    y = _axes(d, (pad, 520, w - 4 * pad, h - pad), lo, hi, [(lx(n), str(n)) for n in sorted(set(cs))],
+              "training conversations (log scale)", "the exported epoch: held-out tau_sim (dot), MT-bench tau_sim "
+              "(triangle), served tau (squares: vLLM, SGLang)")
+    for n in sorted(set(cs)):  # labels stacked per conversation count, from its highest marker down
+        group = [r for r in kept if int(r["conversations"]) == n]
+        px, ty = lx(n), min(y(max(float(r[col]) for col in SERVED if r.get(col))) for r in group) - 6
+        for r in group:
+            c = COLOURS[runs.index(_run(r)) % len(COLOURS)]
+            d.ellipse([px - 3, y(float(r["tau_sim"])) - 3, px + 3, y(float(r["tau_sim"])) + 3], fill=c)
+            for col in sorted((col for col in SERVED if r.get(col)), key=lambda col: -float(r[col])):
+                _marker(d, px, y(float(r[col])), col, c)
+                d.text((px + 8, ty), f"{col.removeprefix('tau_')} {float(r[col]):.3f}", fill=c)
+                ty += 13
+    d.text((w - 3 * pad, 540), "target's tau = 2.5 at k = 3\n(issue 13)", fill="black")
+    d.line([(pad, y(2.5)), (w - 4 * pad, y(2.5))], fill=(120, 120, 120))
     img.save(a.out)
     print(f"wrote {a.out}")
 
