@@ -133,12 +133,14 @@ class TTTAttention:
         return y
 
 
-def _rows_at(x: torch.Tensor, have: torch.Tensor | None, want: torch.Tensor | None) -> torch.Tensor:
-    """x (B, h, n_have, d) at positions ``have`` (None: all) → its rows at ``want`` ⊆ have (None: all; then have
-    is None too)."""
-    if want is None or (have is not None and have.shape == want.shape):  # nested sets: equal size = equal sets
+def _rows_at(x: torch.Tensor, have: torch.Tensor | None, want: torch.Tensor | None, dim: int = 2) -> torch.Tensor:
+    """x, whose ``dim`` holds n rows at positions ``have`` ((n,) int64 ascending; None: 0..n-1) → its rows at
+    ``want`` ⊆ have ((m,) ascending; None: x itself). Padding entries of want (past every position in have, as
+    :func:`flex_rows` appends) take the last row; whatever they compute is never scored."""
+    if want is None:
         return x
-    return x[:, :, want if have is None else torch.searchsorted(have, want)]
+    i = want if have is None else torch.searchsorted(have, want)
+    return x.index_select(dim, i.clamp(max=x.shape[dim] - 1))
 
 
 def chain_rows(trained: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -423,7 +425,7 @@ def ttt_unroll(
         s = align_step(batch, soft, j)
         ids, pos, tr = (s.ids, s.positions, s.trained) if r is None else \
             (s.ids[:, r], s.positions[:, r], s.trained[:, r])  # (B, n) each
-        hidden = _rows_at(hidden[:, None], rows[j - 1] if j else None, r)[:, 0]  # (B, n, H)
+        hidden = _rows_at(hidden, rows[j - 1] if j else None, r, dim=1)  # (B, n, H)
         att.at = r
         out = draft.layer(F.embedding(ids, embed), hidden, pos, att.attend)  # (B, n, H) pre-norm; no grad into embed
         logits = draft.logits(out[tr]).float()  # (m, Vd): only where the loss reads them (ascending t, as p's rows)
@@ -492,12 +494,6 @@ def flex_rows(rows: list[torch.Tensor | None], T: int) -> list[torch.Tensor | No
     return [None] + [torch.cat([r, r.new_full((N - r.numel(),), T)]) for r in rows[1:]]
 
 
-def _index_in(have: torch.Tensor | None, want: torch.Tensor, n: int) -> torch.Tensor:
-    """(N,) rows of a step output of n rows at positions ``have`` ((n,) ascending; None: 0..n-1) that hold the
-    positions ``want`` ⊆ have; padding entries of want (past every real position) get some row (clamped)."""
-    return (want if have is None else torch.searchsorted(have, want)).clamp(max=n - 1)
-
-
 def _step_ce(draft: Eagle3Draft, out: torch.Tensor, soft: SoftTargets, tr: torch.Tensor, n: int,
              at: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step j's (n = 1+j) Σ w·ce (scalar fp32) and hits (int64: trained positions where the draft's argmax is the
@@ -545,8 +541,7 @@ def ttt_unroll_fast(
     for j, at in enumerate(rows):
         n = 1 + j
         g = slice(None) if at is None else at.clamp(max=Tp - 1)  # the positions computed (padding: any)
-        if at is not None:
-            hidden = hidden[:, _index_in(rows[j - 1], at, hidden.shape[1])]  # (B, N, H) step j-1's, same t
+        hidden = _rows_at(hidden, rows[j - 1] if j else None, at, dim=1)  # (B, N, H) step j-1's, same t
         emb = F.embedding(shift_left(ids, n, 0)[:, g], embed)  # (B, N, H) token x_{t+1+j}
         att.at = at
         out = draft.layer(emb, hidden, (positions + j)[:, g], att.attend)  # (B, N, H) pre-norm
