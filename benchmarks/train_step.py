@@ -4,7 +4,7 @@ lengths), aux states / h[N] in bf16, bf16 autocast with fp32 master weights for 
 
     python benchmarks/train_step.py                      # shapes A B, TTT 3 7, every implementation found
     python benchmarks/train_step.py --shapes A --impls eaglepipe-plain eaglepipe-fast --iters 4
-    python benchmarks/train_step.py --loss-mask prompt-reply   # each sample a prompt (68 %), then its reply
+    python benchmarks/train_step.py --loss-mask prompt-reply   # each sample a prompt (38.5 %), then its reply
 
 Implementations (``impl`` in the JSON):
 - ``eaglepipe-plain``: ttt.ttt_unroll as train.py runs it without ``train.fast`` (fp32 teacher product).
@@ -90,9 +90,10 @@ def doc_lengths(tokens: int, seed: int) -> list[int]:
 
 
 LOSS_MASKS = ("iid", "prompt-reply")
-# The prompt share of the CPU defaults' training tokens: reports/extract.json, loss_tokens 7,667 of 24,103
-# tokens (31.8 % assistant text).
-PROMPT_FRACTION = 0.68
+# The prompt share of a training row. The GPU profile's data (benchmarks/h200/window14_draft.json, 48,270
+# conversations): 7,727,944 loss tokens of 12,556,371, so 38.5 % prompt. (The CPU defaults' 128 conversations,
+# reports/extract.json: 7,667 loss tokens of 24,103, 68.2 % prompt, the default before: it compacts more.)
+PROMPT_FRACTION = 0.385
 
 
 def make_inputs(s: Shape, tokens: int, seed: int, device, loss_mask: str = "iid",
