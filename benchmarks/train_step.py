@@ -126,6 +126,7 @@ def make_inputs(s: Shape, tokens: int, seed: int, device, loss_mask: str = "iid"
     if loss_mask == "prompt-reply":  # loss_mask[t]: x_{t+1} is reply text (the sample's last t: nothing follows)
         n = torch.tensor(lens)[doc]  # (1, T) length of each position's sample
         x["loss_mask"] = ((pos + 1 >= (prompt_fraction * n).round()) & (pos + 1 < n)).to(device)
+    x["loss_mask_name"] = loss_mask
     return x
 
 
@@ -323,10 +324,31 @@ def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int) -> 
         "tflops": round(matmul_flops(s, x["lens"], ttt, lm_trained) / dt / 1e12, 1),
         "step_ms": round(1000 * dt, 1), "warmup_s": round(t_warm, 1), "loss": round(float(loss), 4),
     }
+    if PROFILE_DIR:
+        profile_steps(step, Path(PROFILE_DIR) / f"{impl}_{s.name}_ttt{ttt}_{x['loss_mask_name']}.txt")
     del step
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+PROFILE_DIR = None  # --profile: a torch.profiler table per measured row
+
+
+def profile_steps(step, path: Path, n: int = 2) -> None:
+    """torch.profiler over n more steps → path: the ops by self CUDA time (top 30) and the step's kernel count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    kernels = sum(e.count for e in prof.events() if e.device_type.name == "CUDA") / n
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{n} steps; CUDA kernels per step: {kernels:.0f}\n"
+                    + ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+    print(f"profiled → {path}", flush=True)
 
 
 def parity_check(s: Shape, tokens: int, ttt: int, mask: dict) -> dict:
@@ -391,7 +413,10 @@ def main() -> None:
     ap.add_argument("--checks", action="store_true", help="also the plain-vs-fast and teacher-precision checks")
     ap.add_argument("--peer-path", default=None, help="folder the peers' wheels were installed into")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "h200" / "train_step.json"))
+    ap.add_argument("--profile", default=None, help="folder: a torch.profiler table of 2 more steps per row")
     a = ap.parse_args()
+    global PROFILE_DIR
+    PROFILE_DIR = a.profile
     mask = {"loss_mask": a.loss_mask, **({"prompt_fraction": a.prompt_fraction} if a.loss_mask == "prompt-reply"
                                           else {})}  # make_inputs' arguments, and keys of each JSON row
     if a.peer_path:  # after the image's own packages: only what is missing there comes from the wheels
