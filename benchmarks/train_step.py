@@ -30,7 +30,8 @@ peak_gib = torch.cuda.max_memory_allocated over set-up and steps, plus the share
 forward and backward: qkv/o/MLP/lm_head per TTT step, fc once, weight gradients only for trained weights,
 input gradients where needed, attention QKᵀ and PV over the visible keys, and the teacher's h[N]·lm_headᵀ
 over the draft vocabulary) / step time, every position of every step counted whatever an implementation
-skips (the same work credited to each). Rows go to ``--out`` (rows of the same impl/shape/ttt/loss_mask are
+skips (the same work credited to each); tflops_executed = executed_flops (only the work the loss needs: later
+steps at the chain rows) / step time, for eaglepipe's fast rows the FLOPs it runs (less its padding). Rows go to ``--out`` (rows of the same impl/shape/ttt/loss_mask are
 replaced).
 """
 
@@ -148,6 +149,33 @@ def matmul_flops(s: Shape, lens: list[int], ttt: int, lm_head_trained: bool) -> 
     for j in range(ttt):  # QKᵀ and PV: 4·hd·nh FLOPs per visible key, ×3 with backward
         attn += 3 * 4 * hd * s.heads * (causal + j * T)
     return T * (ttt * (layer + head) + fc + teacher) + attn
+
+
+def executed_flops(s: Shape, x: dict, ttt: int, lm_head_trained: bool) -> float:
+    """Matmul FLOPs of the work a step needs (see matmul_flops): step 0 at every position, step j ≥ 1 only at
+    the positions whose chain a loss reads (ttt.chain_rows, unpadded: rows where loss_mask[t + j'] holds in
+    t's sample for some j' ≥ j), the lm_head only where step j's loss is read, later steps' attention over
+    their queries' causal step-0 keys plus j diagonal keys."""
+    lm, doc, pos = x["loss_mask"][0].cpu(), x["doc"][0].cpu(), x["positions"][0].cpu()
+    T, H, hd = lm.numel(), s.hidden, s.head_dim
+
+    def trained(j: int) -> torch.Tensor:  # (T,) bool: step j's loss is read at t
+        out = lm.clone() if j == 0 else torch.zeros(T, dtype=torch.bool)
+        if j:
+            out[:-j] = lm[j:] & (doc[:-j] == doc[j:])
+        return out
+
+    layer = 3 * (2 * 2 * H * (s.heads + 2 * s.kv_heads) * hd + 2 * s.heads * hd * H + 2 * 3 * H * s.intermediate)
+    head = (3 if lm_head_trained else 2) * 2 * H * s.draft_vocab
+    attn_key = 3 * 4 * hd * s.heads  # per visible key, forward and backward
+    total = T * (2 * 2 * 3 * H * H + 2 * H * s.draft_vocab)  # fc, teacher
+    total += T * layer + attn_key * sum(n * (n + 1) / 2 for n in x["lens"])  # step 0
+    need = torch.zeros(T, dtype=torch.bool)
+    for j in range(ttt - 1, 0, -1):
+        need |= trained(j)
+        n = int(need.sum())
+        total += n * layer + attn_key * (float((pos[need] + 1).sum()) + j * n)
+    return total + head * sum(int(trained(j).sum()) for j in range(ttt))
 
 
 # ---------------------------------------------------------------- eaglepipe
@@ -322,6 +350,7 @@ def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int) -> 
         "tokens_per_s": round(T / dt),
         "peak_gib": round((torch.cuda.max_memory_allocated() - base + held) / 2**30, 2),
         "tflops": round(matmul_flops(s, x["lens"], ttt, lm_trained) / dt / 1e12, 1),
+        "tflops_executed": round(executed_flops(s, x, ttt, lm_trained) / dt / 1e12, 1),
         "step_ms": round(1000 * dt, 1), "warmup_s": round(t_warm, 1), "loss": round(float(loss), 4),
     }
     if PROFILE_DIR:
