@@ -365,7 +365,8 @@ PROFILE_DIR = None  # --profile: a torch.profiler table per measured row
 
 
 def profile_steps(step, path: Path, n: int = 2) -> None:
-    """torch.profiler over n more steps → path: the ops by self CUDA time (top 30) and the step's kernel count."""
+    """torch.profiler over n more steps → path: the step's kernel count, the ops by self CUDA time and by self CPU
+    time (top 30 each)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -376,7 +377,9 @@ def profile_steps(step, path: Path, n: int = 2) -> None:
     kernels = sum(e.count for e in prof.events() if e.device_type.name == "CUDA") / n
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{n} steps; CUDA kernels per step: {kernels:.0f}\n"
-                    + ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+                    + ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60)
+                    + "\n\nBy self CPU time (the host's share: launches, Python, waits at syncs):\n"
+                    + ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     print(f"profiled → {path}", flush=True)
 
 
