@@ -61,7 +61,8 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
 
     A synthetic record's (:func:`eaglepipe.prompts.is_synthetic`) empty user turns are written first by the
     target itself: sampled at ``p.synthetic_temperature`` from :func:`eaglepipe.template.user_prompt`
-    (Magpie, arXiv:2406.08464), then answered like any other turn. Returns new records (``messages``
+    (Magpie, arXiv:2406.08464), under the record's ``steer`` system turn if it has one (:func:`_steered`), then
+    answered like any other turn (without it). Returns new records (``messages``
     rewritten, ``regenerated: true``); a completion that decodes to empty text keeps the original turn and is marked ``regenerate_empty`` (a
     synthetic record whose user turn came out empty too: see :func:`drop_empty_synthetic`).
     """
@@ -71,7 +72,7 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
         users = [c for c in convs if is_synthetic(c["id"]) and i < len(c["messages"])
                  and c["messages"][i]["role"] == "user" and not c["messages"][i]["content"]]
         if users:
-            outs = engine.generate([user_prompt(tok, c["messages"][:i]) for c in users], p.max_new_tokens,
+            outs = engine.generate([user_prompt(tok, _steered(c, i)) for c in users], p.max_new_tokens,
                                    p.synthetic_temperature, _synthetic_seed(users, p.seed))
             _fill(tok, users, i, outs)
         todo = [c for c in convs if i < len(c["messages"]) and c["messages"][i]["role"] == "assistant"]
@@ -82,6 +83,13 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
         for c in todo:
             c["regenerated"] = True
     return convs
+
+
+def _steered(conv: dict, i: int) -> list[dict]:
+    """The messages a synthetic record's user turn i is written after: its first i messages, led by its
+    ``steer`` system turn (:func:`eaglepipe.prompts.synthetic_records`) when it has one."""
+    steer = conv.get("steer")
+    return ([{"role": "system", "content": steer}] if steer else []) + conv["messages"][:i]
 
 
 def _fill(tok, convs: list[dict], i: int, outs: list[list[int]]) -> None:

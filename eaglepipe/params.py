@@ -43,6 +43,11 @@ class PromptsParams(_Strict):
                            "al. 2024, arXiv:2406.08464): extract has the target write the user turn from its chat "
                            "template's user header (extract.synthetic_temperature), then answer it; needs "
                            "extract.regenerate")
+    synthetic_topics: list[str] = Field(
+        default_factory=list, description="system turns that steer the user turns the target writes for "
+        "prompts.synthetic (Magpie's system-prompt control, arXiv:2406.08464 §2.2): record i is written under topic "
+        "i mod len, then answered and trained without it (the template's default system turn, as served); [] = "
+        "none")
     seed: int = 0
 
 

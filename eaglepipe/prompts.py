@@ -318,15 +318,18 @@ def split(records: list[dict], n_train: int, n_eval: int, seed: int) -> tuple[li
 SYNTHETIC_SOURCE = "synthetic"
 
 
-def synthetic_records(n: int) -> list[dict]:
+def synthetic_records(n: int, topics: list[str] | tuple[str, ...] = ()) -> list[dict]:
     """``n`` placeholder conversations whose turns the target writes itself (Magpie, arXiv:2406.08464).
 
     Each is one empty user turn and one empty assistant turn; extract's :func:`eaglepipe.extract.regenerate`
     samples the user turn from the chat template's user header and then answers it like any other. Ids
     ``synthetic-000000`` … are consecutive (their sampling seeds derive from them; :func:`is_synthetic`).
+    With ``topics`` (system turns, prompts.synthetic_topics), record i carries ``steer`` = topics[i % len]: the
+    system turn its user turn is written under (Magpie §2.2's system-prompt control), not part of the conversation.
     """
     return [{"id": f"{SYNTHETIC_SOURCE}-{i:06d}", "source": SYNTHETIC_SOURCE,
-             "messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]}
+             "messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+             **({"steer": topics[i % len(topics)]} if topics else {})}
             for i in range(n)]
 
 

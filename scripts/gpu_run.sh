@@ -5,7 +5,9 @@
 # profiles/gpu.yaml. The carried files are put where eaglepipe's bundled/ links look for their wheels.
 # Usage: bash scripts/gpu_run.sh [STAGE ...]     (default: every stage); copies metrics/, reports/ and
 #   params.yaml to $OUT. Env: GPU_VLLM_ARGS (JSON for EAGLEPIPE_VLLM_ARGS, every vLLM instance of these stages);
-#   GPU_SET ("prompts.max_turns=3 train.draft_vocab_size=16384": params over the profile, like `dvc exp run -S`).
+#   GPU_SET ("prompts.max_turns=3 train.draft_vocab_size=16384": params over the profile, like `dvc exp run -S`);
+#   GPU_PROFILES (more profile files merged after profiles/gpu.yaml, before GPU_SET, e.g.
+#   profiles/synthetic_topics.yaml: values with spaces, which GPU_SET cannot carry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 E=/tmp/eng PKG=/tmp/eaglepipe-pkgs SG=ShareGPT_V3_unfiltered_cleaned_split.json
@@ -21,5 +23,5 @@ source <(scripts/gpu_engines/device.sh env vllm)
 export PYTHONPATH="$PWD:$PKG:$PYTHONPATH"
 export EAGLEPIPE_VLLM_ARGS=${GPU_VLLM_ARGS:-${EAGLEPIPE_VLLM_ARGS:-'{"gpu_memory_utilization": 0.35}'}}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 scripts/run_stages.py --profile profiles/gpu.yaml --set ${GPU_SET:-} -- "$@"
+python3 scripts/run_stages.py --profile profiles/gpu.yaml ${GPU_PROFILES:-} --set ${GPU_SET:-} -- "$@"
 mkdir -p "${OUT:-/tmp/out}" && cp -r metrics reports params.yaml "${OUT:-/tmp/out}/"

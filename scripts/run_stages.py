@@ -1,9 +1,9 @@
 """Run dvc.yaml's stage commands in order without DVC (for machines that lack it, e.g. the GPU box).
 
-Usage: python scripts/run_stages.py [--profile FILE] [--set SECTION.KEY=VALUE ...] [STAGE ...]
+Usage: python scripts/run_stages.py [--profile FILE ...] [--set SECTION.KEY=VALUE ...] [STAGE ...]
 (default: every stage, in dvc.yaml order). The commands are read from dvc.yaml, so paths stay written in one
-place. No caching: every stage runs. ``--profile`` merges a params profile (e.g. profiles/gpu.yaml) over
-params.yaml, section by section, and ``--set`` sets single params over that, as ``dvc exp run -S`` would; the
+place. No caching: every stage runs. ``--profile`` merges params profiles (e.g. profiles/gpu.yaml, then
+profiles/synthetic_topics.yaml) over params.yaml in order, section by section, and ``--set`` sets single params over that, as ``dvc exp run -S`` would; the
 merged params.yaml is written in place (the stages read it).
 """
 
@@ -35,14 +35,14 @@ def main():
     from eaglepipe.sources import link_bundled
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default=None)
+    ap.add_argument("--profile", nargs="+", default=[])
     ap.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("stages", nargs="*")
     a = ap.parse_args()
     if a.profile or a.set:
         params = yaml.safe_load(Path("params.yaml").read_text())
-        if a.profile:
-            merge_profile(params, yaml.safe_load(Path(a.profile).read_text()))
+        for f in a.profile:
+            merge_profile(params, yaml.safe_load(Path(f).read_text()))
         Path("params.yaml").write_text(yaml.safe_dump(apply_sets(params, a.set), sort_keys=False))
     link_bundled(Path.cwd())  # bundled/ links, as scripts/setup.sh makes them
     stages = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]

@@ -21,7 +21,7 @@ def main():
     mtbench = mtbench_first_turns() if p.mtbench else []
     humaneval = humaneval_prompts(p.humaneval)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out_dir / "train.jsonl", train + synthetic_records(p.synthetic))
+    write_jsonl(out_dir / "train.jsonl", train + synthetic_records(p.synthetic, p.synthetic_topics))
     write_jsonl(out_dir / "eval.jsonl", mtbench + humaneval + held_out)
     write_metrics(metrics, {
         "source": p.source, "read": ps.read, "usable": len(ps.records), "bad_bytes": ps.bad_bytes,

@@ -1,5 +1,6 @@
 """params.yaml validation: one clear message naming the key, the bad value and what is allowed."""
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,18 @@ def test_gpu_profile_merges_into_valid_params():
     p = parse_params(merge_profile(defaults(), yaml.safe_load((REPO / "profiles" / "gpu.yaml").read_text())))
     assert (p.framework, p.extract.regenerate_engine, p.extract.store, p.extract.engine) == ("vllm", "vllm", "tokens", "hf")
     assert p.prompts.max_records == 0 and p.serve.prompts == 80 and p.serve.batch_sizes == [1, 8]
+
+
+def test_topics_profile_merges_after_the_gpu_profile():
+    """profiles/synthetic_topics.yaml after profiles/gpu.yaml (GPU_PROFILES): only prompts.synthetic_topics moves."""
+    from scripts.run_stages import merge_profile
+
+    gpu = merge_profile(defaults(), yaml.safe_load((REPO / "profiles" / "gpu.yaml").read_text()))
+    base = parse_params(copy.deepcopy(gpu))
+    p = parse_params(merge_profile(gpu, yaml.safe_load((REPO / "profiles" / "synthetic_topics.yaml").read_text())))
+    assert len(p.prompts.synthetic_topics) == 10 and base.prompts.synthetic_topics == []
+    assert p.model_copy(update={"prompts": base.prompts}) == base
+    assert p.prompts.model_copy(update={"synthetic_topics": []}) == base.prompts
 
 
 @pytest.mark.parametrize("patch,expect", [

@@ -10,7 +10,7 @@ import yaml
 from safetensors import safe_open
 
 from eaglepipe.errors import CaptureMismatch, ParamsError
-from eaglepipe.extract import drop_empty_synthetic, extract, regenerate
+from eaglepipe.extract import _steered, drop_empty_synthetic, extract, regenerate
 from eaglepipe.params import ExtractParams, load_params, parse_params
 from eaglepipe.prompts import is_synthetic, synthetic_records
 from eaglepipe.target import read_info
@@ -43,9 +43,9 @@ def test_a_template_without_a_user_header_is_refused(tiny_target):
         user_prompt(t, [])
 
 
-def _extract(tiny_target, root, convs, shard_size):
+def _extract(tiny_target, root, convs, shard_size, **kw):
     p = ExtractParams(engine="hf", regenerate=True, max_new_tokens=12, batch_size=4, shard_size=shard_size,
-                      dtype="float32", store="tokens")
+                      dtype="float32", store="tokens", **kw)
     extract(convs, tiny_target, read_info(tiny_target), [1, 2, 3], p, root / "features", root / "scratch", "h")
     return json.loads((root / "features" / "manifest.json").read_text()), _messages(root / "features")
 
@@ -138,3 +138,33 @@ def test_prompts_stage_appends_the_placeholders_to_train_only(tmp_path):
     assert [t["id"] for t in train[4:]] == ["synthetic-000000", "synthetic-000001", "synthetic-000002"]
     assert len(train) == 7 and not any(is_synthetic(e["id"]) for e in held_out)
     assert json.loads((tmp_path / "m.json").read_text())["synthetic"] == 3
+
+
+def test_a_topic_steers_the_user_turn_and_is_left_out_of_the_conversation(tiny_target, tok, tmp_path):
+    """prompts.synthetic_topics: record i's user turn is the seeded sample after system turn topics[i % 2]; the
+    answer is the greedy completion of that user turn alone (the default system turn, as served)."""
+    from eaglepipe.engines import get_engine
+
+    topics = ["You answer questions about chemistry.", "You help people write short poems."]
+    recs = synthetic_records(3, topics)
+    assert [r["steer"] for r in recs] == [topics[0], topics[1], topics[0]]
+    assert "steer" not in synthetic_records(1)[0]
+    # what the user turn is written after (a random tiny model's samples hardly depend on the prompt, so the
+    # prompt is checked itself): the topic as the system turn, in place of the template's default one
+    p, t = ExtractParams(), _tok(tiny_target)
+    head = tok.decode(user_prompt(tok, _steered(recs[1], 0)))  # SmolLM2's tokenizer and template
+    assert head == f"<|im_start|>system\n{topics[1]}<|im_end|>\n<|im_start|>user\n"
+    manifest, messages = _extract(tiny_target, tmp_path, recs, shard_size=1)
+    written = dict(zip([s["id"] for s in manifest["samples"]], messages))  # one record per call: seed = its id
+    assert written, "every synthetic record was quarantined"
+    with get_engine("hf", tiny_target, dtype="float32", batch_size=4, info=read_info(tiny_target)) as engine:
+        for k, rec in enumerate(recs):
+            if rec["id"] not in written:
+                continue
+            conv = written[rec["id"]]
+            assert [m["role"] for m in conv] == ["user", "assistant"]  # no system turn kept
+            steer = [{"role": "system", "content": rec["steer"]}]
+            ids = engine.generate([user_prompt(t, steer)], 12, p.synthetic_temperature, p.seed + k)[0]
+            assert conv[0]["content"] == t.decode(ids, skip_special_tokens=True).strip()
+            answer = engine.generate([generation_prompt(t, conv[:1])], 12, 0.0, 0)[0]
+            assert conv[1]["content"] == t.decode(answer, skip_special_tokens=True).strip()
