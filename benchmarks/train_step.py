@@ -30,8 +30,8 @@ peak_gib = torch.cuda.max_memory_allocated over set-up and steps, plus the share
 forward and backward: qkv/o/MLP/lm_head per TTT step, fc once, weight gradients only for trained weights,
 input gradients where needed, attention QKᵀ and PV over the visible keys, and the teacher's h[N]·lm_headᵀ
 over the draft vocabulary) / step time, every position of every step counted whatever an implementation
-skips (the same work credited to each); tflops_executed = executed_flops (only the work the loss needs: later
-steps at the chain rows) / step time, for eaglepipe's fast rows the FLOPs it runs (less its padding). Rows go to ``--out`` (rows of the same impl/shape/ttt/loss_mask are
+skips (the same work credited to each); tflops_needed = needed_flops (only the work the loss needs: later
+steps at their chain rows, unpadded; eaglepipe's fast step runs a little more, flex_rows' padding) / step time. Rows go to ``--out`` (rows of the same impl/shape/ttt/loss_mask are
 replaced).
 """
 
@@ -45,6 +45,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eaglepipe.target_head import TargetHead, soft_targets  # noqa: E402
-from eaglepipe.ttt import Batch, TTTUnroll, compile_draft, ttt_unroll_fast  # noqa: E402
+from eaglepipe.ttt import Batch, TTTUnroll, chain_rows, compile_draft, counted_trained, ttt_unroll_fast  # noqa: E402
 
 
 @dataclass
@@ -151,31 +152,24 @@ def matmul_flops(s: Shape, lens: list[int], ttt: int, lm_head_trained: bool) -> 
     return T * (ttt * (layer + head) + fc + teacher) + attn
 
 
-def executed_flops(s: Shape, x: dict, ttt: int, lm_head_trained: bool) -> float:
-    """Matmul FLOPs of the work a step needs (see matmul_flops): step 0 at every position, step j ≥ 1 only at
-    the positions whose chain a loss reads (ttt.chain_rows, unpadded: rows where loss_mask[t + j'] holds in
-    t's sample for some j' ≥ j), the lm_head only where step j's loss is read, later steps' attention over
-    their queries' causal step-0 keys plus j diagonal keys."""
-    lm, doc, pos = x["loss_mask"][0].cpu(), x["doc"][0].cpu(), x["positions"][0].cpu()
-    T, H, hd = lm.numel(), s.hidden, s.head_dim
-
-    def trained(j: int) -> torch.Tensor:  # (T,) bool: step j's loss is read at t
-        out = lm.clone() if j == 0 else torch.zeros(T, dtype=torch.bool)
-        if j:
-            out[:-j] = lm[j:] & (doc[:-j] == doc[j:])
-        return out
-
+def needed_flops(s: Shape, x: dict, ttt: int, lm_head_trained: bool) -> float:
+    """Matmul FLOPs of the work a step needs (terms as matmul_flops'): step 0 at every position, step j ≥ 1
+    only at its ttt.chain_rows (unpadded), the lm_head only where step j's loss is read (ttt.counted_trained's
+    ``trained``), a later step's attention over its queries' causal step-0 keys plus j diagonal keys."""
+    b = Batch(x["input_ids"].cpu(), x["positions"].cpu(), x["doc"].cpu(), x["loss_mask"].cpu(), None, None,
+              x["top_in_vocab"].cpu())
+    soft = SimpleNamespace(top_in_vocab=b.top_in_vocab)  # all counted_trained reads of the soft targets
+    trained = [counted_trained(b, soft, j)[1] for j in range(ttt)]  # (1, T) bool each
+    rows = chain_rows(trained) if ttt > 1 else [None]
+    T, H, hd, pos = b.loss_mask.shape[1], s.hidden, s.head_dim, b.positions[0]
     layer = 3 * (2 * 2 * H * (s.heads + 2 * s.kv_heads) * hd + 2 * s.heads * hd * H + 2 * 3 * H * s.intermediate)
     head = (3 if lm_head_trained else 2) * 2 * H * s.draft_vocab
     attn_key = 3 * 4 * hd * s.heads  # per visible key, forward and backward
     total = T * (2 * 2 * 3 * H * H + 2 * H * s.draft_vocab)  # fc, teacher
     total += T * layer + attn_key * sum(n * (n + 1) / 2 for n in x["lens"])  # step 0
-    need = torch.zeros(T, dtype=torch.bool)
-    for j in range(ttt - 1, 0, -1):
-        need |= trained(j)
-        n = int(need.sum())
-        total += n * layer + attn_key * (float((pos[need] + 1).sum()) + j * n)
-    return total + head * sum(int(trained(j).sum()) for j in range(ttt))
+    for j, r in enumerate(rows[1:], start=1):
+        total += r.numel() * layer + attn_key * (float((pos[r] + 1).sum()) + j * r.numel())
+    return total + head * sum(int(t.sum()) for t in trained)
 
 
 # ---------------------------------------------------------------- eaglepipe
@@ -328,7 +322,8 @@ IMPLS = {
 }
 
 
-def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int) -> dict:
+def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int, profile: str | None = None) -> dict:
+    """One row of the JSON (module docstring); with ``profile`` (a folder) also :func:`profile_steps`' table."""
     torch._dynamo.reset()  # each implementation compiles afresh (no cache-size limit carried over)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -350,18 +345,15 @@ def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int) -> 
         "tokens_per_s": round(T / dt),
         "peak_gib": round((torch.cuda.max_memory_allocated() - base + held) / 2**30, 2),
         "tflops": round(matmul_flops(s, x["lens"], ttt, lm_trained) / dt / 1e12, 1),
-        "tflops_executed": round(executed_flops(s, x, ttt, lm_trained) / dt / 1e12, 1),
+        "tflops_needed": round(needed_flops(s, x, ttt, lm_trained) / dt / 1e12, 1),
         "step_ms": round(1000 * dt, 1), "warmup_s": round(t_warm, 1), "loss": round(float(loss), 4),
     }
-    if PROFILE_DIR:
-        profile_steps(step, Path(PROFILE_DIR) / f"{impl}_{s.name}_ttt{ttt}_{x['loss_mask_name']}.txt")
+    if profile:
+        profile_steps(step, Path(profile) / f"{impl}_{s.name}_ttt{ttt}_{x['loss_mask_name']}.txt")
     del step
     gc.collect()
     torch.cuda.empty_cache()
     return row
-
-
-PROFILE_DIR = None  # --profile: a torch.profiler table per measured row
 
 
 def profile_steps(step, path: Path, n: int = 2) -> None:
@@ -441,14 +433,12 @@ def main() -> None:
                     help="iid: independent draws (the rows measured before this option); prompt-reply: each sample "
                          "a prompt, then its reply (see the module docstring)")
     ap.add_argument("--prompt-fraction", type=float, default=PROMPT_FRACTION,
-                    help="prompt-reply: the share of each sample that is prompt (default: the CPU defaults')")
+                    help="prompt-reply: the share of each sample that is prompt (default: the GPU profile's data)")
     ap.add_argument("--checks", action="store_true", help="also the plain-vs-fast and teacher-precision checks")
     ap.add_argument("--peer-path", default=None, help="folder the peers' wheels were installed into")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "h200" / "train_step.json"))
     ap.add_argument("--profile", default=None, help="folder: a torch.profiler table of 2 more steps per row")
     a = ap.parse_args()
-    global PROFILE_DIR
-    PROFILE_DIR = a.profile
     mask = {"loss_mask": a.loss_mask, **({"prompt_fraction": a.prompt_fraction} if a.loss_mask == "prompt-reply"
                                           else {})}  # make_inputs' arguments, and keys of each JSON row
     if a.peer_path:  # after the image's own packages: only what is missing there comes from the wheels
@@ -480,7 +470,7 @@ def main() -> None:
         for ttt in a.ttt:
             for impl in a.impls:
                 try:
-                    r = measure(impl, s, x, ttt, a.warmup, a.iters)
+                    r = measure(impl, s, x, ttt, a.warmup, a.iters, a.profile)
                 except Exception as e:  # a peer that fails is reported, the others still run
                     traceback.print_exc()
                     print(f"FAILED {impl} {sname} ttt={ttt}: {type(e).__name__}: {str(e)[:300]}", flush=True)
