@@ -23,7 +23,8 @@
 #                       the GPU profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate
 #                       (vLLM) + gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); vLLM
 #                       alone (k=3, bf16 and fp32); SGLang serving of that export; vLLM at k=5 and on HumanEval;
-#                       the scaling curve's subsets; draft-simgap: the draft's τ_sim on MT-bench and HumanEval
+#                       the scaling curve's subsets; draft-simgap: the draft's τ_sim on MT-bench and HumanEval;
+#                       regen-sampling: what per-prompt seeds cost vLLM's generate (benchmarks/regen_sampling.py)
 #   suite.sh gpu-tests  tests/test_gpu.py + test_ttt.py's CUDA cases with vLLM's environment, then the SGLang test
 #                       (GPU_TESTS=sglang: that one alone)
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
@@ -168,6 +169,11 @@ case ${1:-} in
        timeout 300 python3 benchmarks/sim_gap.py --target data/target --drafter data/drafter --source $src --n $n \
          --max-new 128 --out "$OUT/sim_gap_$src.json" > "$OUT/sim_gap_$src.log" 2>&1
        grep -h "RESULT\|Error" "$OUT/sim_gap_$src.log" | cut -c1-500; done) ;;
+  regen-sampling)  # issue 13: per-prompt seeds vs one unseeded SamplingParams vs greedy on the target's user-turn
+    # prompts, one vLLM instance (benchmarks/regen_sampling.py; after draft-data: data/target)
+    (venv vllm; timeout 300 python3 benchmarks/regen_sampling.py --target data/target --n ${NREGEN:-8192} \
+       --out "$OUT/regen_sampling.json" > "$OUT/regen_sampling.log" 2>&1
+     grep -h "RESULT\|Error" "$OUT/regen_sampling.log" | cut -c1-600) ;;
   gpu-tests)  # tests/test_gpu.py (+ test_ttt.py, test_online.py: their CUDA cases) under each engine's environment
     # (CI skips them); GPU_TESTS names the environments (default "vllm sglang"; "sglang": its one test, ~1 min)
     for e in ${GPU_TESTS:-vllm sglang}; do case $e in
