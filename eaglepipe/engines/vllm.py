@@ -68,6 +68,12 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
       halves throughput on a 2-core machine.
     - ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``: under ``work_dir`` (the defaults under ``~`` may be
       read-only). ``HF_HUB_OFFLINE=1``: targets and drafts are local folders; never reach for a hub.
+    - ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless the caller set it: eaglepipe's requests are greedy or sampled
+      with per-request seeds and ``top_p=1.0``, and ``TopKTopPSampler.forward_cuda``
+      (vllm/v1/sample/ops/topk_topp_sampler.py) sends both to the native sampler, so FlashInfer's sampler never
+      runs, yet its warm-up JIT-compiles it on every cold machine: on the lent H200 (vLLM 0.26) the generate
+      instance started in 92.6 s with it off (17 s from graph capture to "Kernel JIT monitor activated")
+      against 182.5 s with it on (111 s there; scripts/gpu_engines/README.md, sixteenth window).
     No-op for the CPU variables on a CUDA machine (vLLM ignores them there).
     """
     work_dir = Path(work_dir)
@@ -78,6 +84,7 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
         "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(work_dir / "inductor-cache"),
         "HF_HUB_OFFLINE": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
     }
     os.environ.update(env)
     return env
