@@ -105,6 +105,31 @@ def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
         assert (back / f).read_bytes() == (repo / "data" / f).read_bytes(), f
 
 
+def test_watch_holds_the_machine_past_a_step_that_ends_well_and_returns_at_one_that_fails(window):
+    """Every return is a round trip that may lose the machine (30 s idle): the sixteenth window lost its draft
+    when watch returned at draft-train's end. So a step that ends with rc=0 keeps the call waiting; rc≠0 ends it."""
+    import time
+
+    repo, env, tmp = window
+    (tmp / "res/DONE").unlink()  # the pipeline still running
+    steps = tmp / "res/steps.txt"
+    cmd = ["bash", "scripts/gpu_engines/suite.sh", "watch", "60"]
+    w = subprocess.Popen(cmd, cwd=repo, env={**os.environ, **env, "OUT": str(tmp / "outw")},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(2)
+        steps.write_text(steps.read_text() + "draft-train rc=0 900s-since-start 400s\n")
+        time.sleep(8)  # a 5 s poll has seen it
+        assert w.poll() is None, "watch returned at a step that ended well"
+        t0 = time.monotonic()
+        steps.write_text(steps.read_text() + "draft-simgap rc=124 1200s-since-start 300s\n")
+        out, _ = w.communicate(timeout=20)
+        assert time.monotonic() - t0 < 12
+        assert "draft-simgap rc=124" in out
+    finally:
+        w.kill()
+
+
 def test_parts_that_do_not_make_the_kept_tar_are_refused(window):
     repo, env, tmp = window
     _sh(repo, {**env, "OUT": str(tmp / "out0")}, "scripts/gpu_engines/suite.sh", "data-keep")

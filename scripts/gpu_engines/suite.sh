@@ -221,8 +221,10 @@ case ${1:-} in
     REPO_ROOT=/tmp/repo OUT=$RES setsid nohup bash /tmp/repo/scripts/gpu_engines/pipeline.sh \
       > $RES/pipeline.log 2>&1 < /dev/null &
     sleep 5; cat $RES/steps.txt ;;
-  watch)  # hold the machine up to $2 s (default 540) while pipeline runs: back as soon as a step ends, DONE
-    # appears or a log gets a Traceback, with the steps so far and the running step's last lines. The machine is
+  watch)  # hold the machine up to $2 s (default 540) while pipeline runs: back as soon as a step fails, kept
+    # parts wait to be returned, DONE appears or a log gets a Traceback, with the steps so far and the running
+    # step's last lines; a step that ends well does not end the call (each return is a round trip, and the
+    # sixteenth window lost its machine, draft and sim_gap in one over 30 s). The machine is
     # given back 30 s after a call ends (the fifth window lost its run to a fix made between two calls), so
     # call watch again at once, and make fixes inside a call (edit /tmp/repo from the command), not between.
     # A fresh machine (the last one went back: no /tmp/res) returns at once instead of waiting S s for nothing
@@ -230,10 +232,9 @@ case ${1:-} in
     # returned of what draft-keep and data-keep kept (while some are left, at once), so a machine lost later loses
     # only the step that was running.
     [ -f $RES/steps.txt ] || { echo "no pipeline here ($RES missing): the machine was given back; start again"; exit 3; }
-    n0=$(wc -l < $RES/steps.txt); t0=$(cat $RES/*.log 2>/dev/null | grep -c Traceback); wait_s=${2:-540}
-    [ -n "$(pending_kept)" ] && wait_s=0  # parts to return: no waiting
-    for _ in $(seq $(( wait_s / 5 ))); do
-      [ -f $RES/DONE ] || [ "$(wc -l < $RES/steps.txt)" != "$n0" ] ||
+    f0=$(grep -Evc " rc=0( |$)" $RES/steps.txt); t0=$(cat $RES/*.log 2>/dev/null | grep -c Traceback); wait_s=${2:-540}
+    for _ in $(seq $(( wait_s / 5 ))); do  # parts to return: no waiting
+      [ -f $RES/DONE ] || [ -n "$(pending_kept)" ] || [ "$(grep -Evc " rc=0( |$)" $RES/steps.txt)" != "$f0" ] ||
         [ "$(cat $RES/*.log 2>/dev/null | grep -c Traceback)" != "$t0" ] && break; sleep 5; done
     cat $RES/steps.txt; f=$(ls -t $RES/*.log | head -1); echo "--- $f"
     grep -a "^=== \|epoch \|RESULT\|Error" "$f" | tail -6 | cut -c1-300
