@@ -19,11 +19,14 @@ The engine starts only if some shard is missing, so a finished run restarted doe
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from . import convention
@@ -134,13 +137,17 @@ def quarantine(samples: list[FeatureSample]) -> tuple[list[FeatureSample], list[
     return kept, bad
 
 
+# ExtractParams fields that change how the shards are made, not what they hold (keys and manifest ignore them).
+_NOT_IN_SHARDS = {"batch_size", "workers"}
+
+
 def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str,
              gate_samples: int = 0) -> str:
     """Hash of everything that determines the shards (keys the resumable scratch folder), the code included."""
     spec = {
         "code": code_hash(EXTRACT_SCRIPT),
         "target": info.content_hash, "layers": layers, "engine": engine, "prompts": prompts_hash,
-        "extract": p.model_dump(exclude={"batch_size"}),
+        "extract": p.model_dump(exclude=_NOT_IN_SHARDS),
     }
     if p.store == "tokens":
         spec["gate_samples"] = gate_samples
@@ -158,37 +165,29 @@ def extract(
     The engine starts at the first missing shard and is closed when this returns or raises.
     Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
     """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target_dir)
     gate_samples = gate_samples if p.store == "tokens" else 0
     key = plan_key(info, layers, p, p.engine, prompts_hash, gate_samples)
     writer = ShardWriter(out_dir, scratch, key, p.shard_size)
     chunks = [convs[i : i + p.shard_size] for i in range(0, len(convs), p.shard_size)]
-    resumed = sum(writer.done(i) for i in range(len(chunks)))
+    todo = [i for i in range(len(chunks)) if not writer.done(i)]
+    resumed = len(chunks) - len(todo)
     if resumed:
         log.info("resuming: %d of %d shards already written (key %s)", resumed, len(chunks), key)
     ids = convention.engine_ids(p.engine, info.family, layers + [info.n_layers], info.n_layers)
     timing = _Timing(time.perf_counter())
-    bar = tqdm(total=len(convs), initial=resumed and sum(len(c) for c in chunks[:resumed]), unit="sample")
-    with ExitStack() as stack:
-        engines = _Engines(stack, target_dir, info, p)
-        for i, chunk in enumerate(chunks):
-            if writer.done(i):
-                continue
-            gate = min(len(chunk), max(0, gate_samples - i * p.shard_size)) if p.store == "tokens" else len(chunk)
-            samples, messages = _shard_samples(engines, tok, chunk, ids, p, timing, gate)
-            kept, bad = quarantine(samples)
-            writer.write(i, kept, bad, messages=None if messages is None else [messages[s.id] for s in kept])
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{timing.tokens / max(timing.capture, 1e-9):.0f}")
-    bar.close()
+    work = _ShardWork(target_dir, info, ids, p, writer, gate_samples)
+    with tqdm(total=len(convs), initial=len(convs) - sum(len(chunks[i]) for i in todo), unit="sample") as bar:
+        if p.workers > 1 and len(todo) > 1:
+            _in_workers(work, {i: chunks[i] for i in todo}, timing, bar)
+        else:
+            work.run({i: chunks[i] for i in todo}, timing, bar)
     header = {
         "engine": p.engine, "engine_version": timing.version or engine_version(p.engine), "layers": layers,
         "dtype": p.dtype,
         "target": {"hash": info.content_hash, "n_layers": info.n_layers, "hidden_size": info.hidden_size,
                    "vocab_size": info.vocab_size, "model_type": info.model_type, "family": info.family},
-        "capture_ids": ids, "regenerate": p.model_dump() if p.regenerate else None, "prompts_hash": prompts_hash,
+        "capture_ids": ids, "regenerate": p.model_dump(exclude={"workers"}) if p.regenerate else None,
+        "prompts_hash": prompts_hash,
         "store": p.store,
         **({"quantization": p.quantization} if p.quantization else {}),  # the extracting engine's (ExtractParams)
     }
@@ -259,6 +258,81 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
         samples.append(FeatureSample(conv["id"], t.input_ids, t.loss_mask, aux, last))
     messages = {conv["id"]: conv["messages"] for conv in chunk} if p.store == "tokens" else None
     return samples, messages
+
+
+@dataclass
+class _ShardWork:
+    """What any process needs to extract shards (picklable: a worker process gets a copy)."""
+
+    target_dir: Path
+    info: TargetInfo
+    ids: list[int]
+    p: ExtractParams
+    writer: ShardWriter
+    gate_samples: int
+
+    def run(self, chunks: dict[int, list[dict]], timing: _Timing, bar=None, start_lock=None) -> _Timing:
+        """Extract and write shard i = each key of ``chunks`` with this process's engines; returns ``timing``.
+
+        start_lock: held while the first engine starts (workers' vLLM instances profile GPU memory one at a time:
+        an instance that sees memory freed by another during its profiling refuses to start).
+        """
+        from transformers import AutoTokenizer
+
+        p = self.p
+        tok = AutoTokenizer.from_pretrained(self.target_dir)
+        with ExitStack() as stack:
+            engines = _Engines(stack, self.target_dir, self.info, p)
+            if start_lock is not None:
+                with start_lock:
+                    engines.regenerate() if p.regenerate else engines.capture()
+            for i, chunk in chunks.items():
+                gate = (min(len(chunk), max(0, self.gate_samples - i * p.shard_size)) if p.store == "tokens"
+                        else len(chunk))
+                samples, messages = _shard_samples(engines, tok, chunk, self.ids, p, timing, gate)
+                kept, bad = quarantine(samples)
+                self.writer.write(i, kept, bad,
+                                  messages=None if messages is None else [messages[s.id] for s in kept])
+                if bar is not None:
+                    bar.update(len(chunk))
+                    bar.set_postfix(tok_s=f"{timing.tokens / max(timing.capture, 1e-9):.0f}")
+        return timing
+
+
+def _worker(work: _ShardWork, chunks: dict[int, list[dict]], threads: int, start_lock) -> _Timing:
+    torch.set_num_threads(threads)
+    return work.run(chunks, _Timing(time.perf_counter()), start_lock=start_lock)
+
+
+def _in_workers(work: _ShardWork, chunks: dict[int, list[dict]], timing: _Timing, bar) -> None:
+    """:meth:`_ShardWork.run` over ``chunks`` in ``extract.workers`` spawned processes, shard i in worker i mod n.
+
+    Each worker starts its own engines (vLLM: its own instance, sized by ``EAGLEPIPE_VLLM_ARGS``'
+    gpu_memory_utilization) and writes its shards atomically, so a failed worker loses only its running shard:
+    the error is raised here after the others finish, and a rerun resumes. ``timing`` gets the slowest worker's
+    seconds (the wall the stage waited) and every worker's tokens.
+    """
+    n = min(work.p.workers, len(chunks))
+    parts = [{i: c for i, c in chunks.items() if i % n == r} for r in range(n)]
+    parts = [part for part in parts if part]
+    threads = max(1, torch.get_num_threads() // len(parts))
+    log.info("extracting %d shards in %d worker processes (%d torch threads each)", len(chunks), len(parts), threads)
+    ctx = multiprocessing.get_context("spawn")  # CUDA and vLLM cannot be forked
+    with ctx.Manager() as manager, ProcessPoolExecutor(len(parts), mp_context=ctx) as pool:
+        lock = manager.Lock()
+        futures = {pool.submit(_worker, work, part, threads, lock): part for part in parts}
+        errors = []
+        for f in as_completed(futures):
+            if f.exception() is not None:
+                errors.append(f.exception())
+                continue
+            t = f.result()
+            timing.capture, timing.generate = max(timing.capture, t.capture), max(timing.generate, t.generate)
+            timing.tokens += t.tokens
+            timing.version = timing.version or t.version
+            bar.update(sum(len(c) for c in futures[f].values()))
+    if errors:
+        raise errors[0]
 
 
 def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int, n_synthetic: int) -> ExtractStats:

@@ -70,6 +70,10 @@ class ExtractParams(_Strict):
     # CUDA: vllm/v1/attention/backends/mla/*.py ``supported_dtypes``) or to match a bf16 serving engine.
     engine_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     shard_size: int = Field(64, ge=1)
+    workers: int = Field(1, ge=1, description="processes extracting shards side by side, each with its own "
+                         "engine instances (shard i goes to worker i mod workers); the shards are the same bytes "
+                         "for any count. For a GPU whose small target decodes at the speed of vLLM's per-step CPU "
+                         "work (the H200 profile); 1 = in the stage's own process")
     store: Literal["features", "tokens"] = Field(
         "features", description="features: shards hold h[k] and h[N] per token (offline training); tokens: token "
         "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "

@@ -131,6 +131,22 @@ def test_two_extracts_in_separate_processes_are_byte_identical(tmp_path, tiny_ta
     assert list(head["__metadata__"]) == sorted(head["__metadata__"])
 
 
+def test_workers_write_the_same_shards_as_one_process(tmp_path, tiny_target):
+    """extract.workers: 2 spawns two processes (shards 0, 2 and 1, 3), each with its own engine; the manifest and
+    every shard are the same bytes as one process's."""
+    digests = []
+    for name, workers in (("one", 1), ("two", 2)):
+        cwd = project(tmp_path / name, tiny_target, 4, dtype="bfloat16", workers=workers)
+        proc = run_extract(cwd, tiny_target)
+        out = proc.communicate()[0]
+        assert proc.returncode == 0, out
+        assert ("extracting 4 shards in 2 worker processes" in out) == (workers == 2), out
+        digests.append(_sha256_tree(cwd / "features"))
+    assert len(digests[0]) == 5 and digests[0] == digests[1]  # manifest + 4 shards
+    metrics = json.loads((tmp_path / "two" / "extract.json").read_text())
+    assert metrics["samples"] == 4 and metrics["generate_seconds"] > 0 and metrics["capture_seconds"] > 0
+
+
 @pytest.fixture
 def poisoned_target(tiny_target, tmp_path) -> Path:
     """The tiny target with the embedding row of the character 'Z' set to +inf (a damaged checkpoint)."""
