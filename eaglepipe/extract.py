@@ -300,6 +300,7 @@ class _ShardWork:
 
 
 def _worker(work: _ShardWork, chunks: dict[int, list[dict]], threads: int, start_lock) -> _Timing:
+    logging.basicConfig(level=logging.INFO, format=f"[extract worker {min(chunks)}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     return work.run(chunks, _Timing(time.perf_counter()), start_lock=start_lock)
 
