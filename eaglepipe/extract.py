@@ -23,7 +23,7 @@ import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -213,8 +213,10 @@ class _Engines:
     """extract's engines, each started at its first use and closed with ``stack``: ``capture()`` is
     ``extract.engine``'s, ``regenerate()`` is ``extract.regenerate_engine``'s (the same one when unset)."""
 
-    def __init__(self, stack: ExitStack, target_dir: Path, info: TargetInfo, p: ExtractParams):
+    def __init__(self, stack: ExitStack, target_dir: Path, info: TargetInfo, p: ExtractParams,
+                 memory_share: float = 1.0):
         self.stack, self.target_dir, self.info, self.p = stack, target_dir, info, p
+        self.memory_share = memory_share
         self.running: dict[str, object] = {}
 
     def _get(self, name: str):
@@ -222,7 +224,7 @@ class _Engines:
             p = self.p
             self.running[name] = self.stack.enter_context(get_engine(
                 name, self.target_dir, dtype=p.engine_dtype, batch_size=p.batch_size, info=self.info,
-                quantization=p.quantization))
+                quantization=p.quantization, memory_share=self.memory_share))
         return self.running[name]
 
     def capture(self):
@@ -270,23 +272,30 @@ class _ShardWork:
     p: ExtractParams
     writer: ShardWriter
     gate_samples: int
+    memory_share: float = 1.0  # of the GPU memory a vLLM instance asks for (1/n for n workers)
 
-    def run(self, chunks: dict[int, list[dict]], timing: _Timing, bar=None, start_lock=None) -> _Timing:
+    def run(self, chunks: dict[int, list[dict]], timing: _Timing, bar=None, start_lock=None, stop=None) -> _Timing:
         """Extract and write shard i = each key of ``chunks`` with this process's engines; returns ``timing``.
 
-        start_lock: held while the first engine starts (workers' vLLM instances profile GPU memory one at a time:
-        an instance that sees memory freed by another during its profiling refuses to start).
+        start_lock: held while this process's first engine instance starts (workers' vLLM instances profile GPU
+        memory one at a time: an instance that sees another's memory change during its profiling refuses to
+        start, or sizes its KV cache from the wrong figure). stop: an Event; once set, no further shard is begun.
         """
         from transformers import AutoTokenizer
 
         p = self.p
         tok = AutoTokenizer.from_pretrained(self.target_dir)
         with ExitStack() as stack:
-            engines = _Engines(stack, self.target_dir, self.info, p)
+            engines = _Engines(stack, self.target_dir, self.info, p, self.memory_share)
             if start_lock is not None:
                 with start_lock:
-                    engines.regenerate() if p.regenerate else engines.capture()
+                    if p.regenerate:
+                        engines.regenerate().start_generation()
+                    else:
+                        engines.capture().start_capture(self.ids)
             for i, chunk in chunks.items():
+                if stop is not None and stop.is_set():
+                    break
                 gate = (min(len(chunk), max(0, self.gate_samples - i * p.shard_size)) if p.store == "tokens"
                         else len(chunk))
                 samples, messages = _shard_samples(engines, tok, chunk, self.ids, p, timing, gate)
@@ -299,20 +308,21 @@ class _ShardWork:
         return timing
 
 
-def _worker(work: _ShardWork, chunks: dict[int, list[dict]], threads: int, start_lock) -> _Timing:
+def _worker(work: _ShardWork, chunks: dict[int, list[dict]], threads: int, start_lock, stop) -> _Timing:
     logging.basicConfig(level=logging.INFO, format=f"[extract worker {min(chunks)}] %(levelname)s %(name)s: "
                         "%(message)s")
     torch.set_num_threads(threads)
-    return work.run(chunks, _Timing(time.perf_counter()), start_lock=start_lock)
+    return work.run(chunks, _Timing(time.perf_counter()), start_lock=start_lock, stop=stop)
 
 
 def _in_workers(work: _ShardWork, chunks: dict[int, list[dict]], timing: _Timing, bar) -> None:
     """:meth:`_ShardWork.run` over ``chunks`` in ``extract.workers`` spawned processes, shard i in worker i mod n.
 
-    Each worker starts its own engines (vLLM: its own instance, sized by ``EAGLEPIPE_VLLM_ARGS``'
-    gpu_memory_utilization) and a share of this process's torch threads, and writes its shards atomically, so a
-    failed worker loses only its running shard:
-    the error is raised here after the others finish, and a rerun resumes. ``timing`` gets the slowest worker's
+    Each worker starts its own engines, one worker at a time (vLLM: its own instance, taking 1/n of the GPU memory
+    fraction ``EAGLEPIPE_VLLM_ARGS`` asks for, see VLLMEngine's ``memory_share``) and a share of this process's
+    torch threads, and writes its shards atomically. When a worker fails, the others finish the shard they are
+    writing and begin no other; the first error is raised here, and a rerun resumes from the shards written
+    (on the H200, four instances at 0.35 each failed at start: 2026-12-04). ``timing`` gets the slowest worker's
     seconds (the wall the stage waited) and every worker's tokens. On SmolLM2 at the CPU defaults, two workers
     of one thread wrote every tensor equal to one process of two (the shards' run key hashes the code, so compare
     runs of the same code), in 222 s against 183 s: on a CPU the workers only share its cores; they are for a GPU.
@@ -323,13 +333,15 @@ def _in_workers(work: _ShardWork, chunks: dict[int, list[dict]], timing: _Timing
     threads = max(1, torch.get_num_threads() // len(parts))
     log.info("extracting %d shards in %d worker processes", len(chunks), len(parts))
     ctx = multiprocessing.get_context("spawn")  # CUDA and vLLM cannot be forked
+    work = replace(work, memory_share=1 / len(parts))
     with ctx.Manager() as manager, ProcessPoolExecutor(len(parts), mp_context=ctx) as pool:
-        lock = manager.Lock()
-        futures = {pool.submit(_worker, work, part, threads, lock): part for part in parts}
+        lock, stop = manager.Lock(), manager.Event()
+        futures = {pool.submit(_worker, work, part, threads, lock, stop): part for part in parts}
         errors = []
         for f in as_completed(futures):
             if f.exception() is not None:
                 errors.append(f.exception())
+                stop.set()
                 continue
             t = f.result()
             timing.capture, timing.generate = max(timing.capture, t.capture), max(timing.generate, t.generate)

@@ -171,3 +171,32 @@ def test_slim_keeps_counts_of_equal_outputs_not_the_token_ids(tmp_path):
     assert got["s"]["plain_equal_to_the_other_engine_plain"] == "2/3 (vllm, bfloat16)"
     assert "plain_equal_to_the_other_engine_plain" not in got["f"] and got["f"]["outputs_equal_count"] == "1/1"
     assert all("outputs_draft" not in r and "outputs_plain" not in r and r["note"] == "n" for r in got.values())
+
+
+def test_a_new_pipeline_stops_the_one_still_running(window):
+    """The seventeenth window restarted the pipeline after a watch returned at a worker's Traceback, while the
+    old extract's other workers ran on in the same scratch folder: both failed. `suite.sh pipeline` now stops the
+    running pipeline's whole session first. Its pipeline.sh here is a stand-in step that outlives the call."""
+    import time
+
+    repo, env, tmp = window
+    (repo / "scripts/gpu_engines/pipeline.sh").write_text(
+        'echo "start" > "$OUT/steps.txt"; sleep 300 & echo $! > "$OUT/child.pid"; wait\n')
+    env = {**env, "RUN_REPO": str(tmp / "run"), "OUT": str(tmp / "out")}
+    res = tmp / "res"
+
+    def alive(pid: int) -> bool:
+        return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
+
+    _sh(repo, env, "scripts/gpu_engines/suite.sh", "pipeline")
+    first, first_child = int((res / "pipeline.pid").read_text()), int((res / "child.pid").read_text())
+    assert alive(first) and alive(first_child)
+    try:
+        r = _sh(repo, env, "scripts/gpu_engines/suite.sh", "pipeline")
+        assert f"stopping the pipeline still running (session {first})" in r.stdout
+        time.sleep(1)
+        assert not alive(first) and not alive(first_child)  # the step's own processes too
+        second = int((res / "pipeline.pid").read_text())
+        assert second != first and alive(second)
+    finally:  # the second stand-in's session
+        subprocess.run(["kill", "-KILL", "--", f"-{(res / 'pipeline.pid').read_text().strip()}"], capture_output=True)

@@ -326,3 +326,22 @@ def test_vllm_env_turns_the_unused_flashinfer_sampler_off_unless_the_user_set_it
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
     assert vllm_env(tmp_path)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_instances_sharing_a_gpu_split_the_memory_fraction_asked_for(smollm2_dir, tmp_path, monkeypatch):
+    """extract.workers = n: each worker's instance takes 1/n of the fraction asked for (vLLM sizes an instance's
+    KV cache to that fraction of the whole GPU: four at 0.35 failed to start on the H200). Checked on the
+    arguments the instance would get (no GPU here: on a CPU nothing changes, VLLM_CPU_KVCACHE_SPACE rules)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    asked = VLLMEngine(smollm2_dir, work_dir=tmp_path, memory_share=0.25,
+                       llm_kwargs={"gpu_memory_utilization": 0.4})
+    default = VLLMEngine(smollm2_dir, work_dir=tmp_path, memory_share=0.5)
+    alone = VLLMEngine(smollm2_dir, work_dir=tmp_path, llm_kwargs={"gpu_memory_utilization": 0.4})
+    assert asked._memory_args() == {} and default._memory_args() == {}  # this CPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert asked._memory_args() == {"gpu_memory_utilization": 0.1}
+    assert default._memory_args() == {"gpu_memory_utilization": round(EngineArgs.gpu_memory_utilization / 2, 4)}
+    assert alone._memory_args() == {}
+    with pytest.raises(ValueError, match="memory_share 0 is not in"):
+        VLLMEngine(smollm2_dir, work_dir=tmp_path, memory_share=0)

@@ -96,6 +96,14 @@ class Engine(ABC):
         """τ, acceptance per position and the engine's own counters of one timed drafted run."""
         raise ServingUnavailable(f"engine {self.name!r} has no speculative counters")
 
+    def start_generation(self) -> None:
+        """Start now what :meth:`generate` needs, instead of at its first call (extract's workers start their
+        engines one at a time, eaglepipe/extract.py). Default: nothing to start (an engine loaded at
+        construction)."""
+
+    def start_capture(self, ids: list[int]) -> None:
+        """Start now what :meth:`capture` over ``ids`` (the engine's meaning) needs; as :meth:`start_generation`."""
+
     def close(self) -> None:
         """Release the engine (processes, memory). Safe to call twice."""
 

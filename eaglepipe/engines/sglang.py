@@ -221,13 +221,17 @@ class SGLangEngine(Engine):
         return [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0, "top_k": -1,
                  "sampling_seed": seed + i} for i in range(n)]
 
+    def start_generation(self) -> None:
+        """Start the instance generate uses now (a capture instance also generates), not at the first call."""
+        if self._mode is None or self._mode[0] not in ("capture", "generate"):
+            self._start(("generate",))
+
     def generate(self, prompts, max_new_tokens, temperature=0.0, seed=0):
         """Complete each prompt (token ids) through ``sglang.Engine.generate``; greedy when temperature is 0.
 
         SGLang stops at the model's EOS (generation_config) and includes it in ``output_ids``.
         """
-        if self._mode is None or self._mode[0] not in ("capture", "generate"):
-            self._start(("generate",))
+        self.start_generation()
         res = self._call("generate", prompts=[list(map(int, prompt)) for prompt in prompts],
                          sampling_params=self._sampling(len(prompts), max_new_tokens, temperature, seed))
         return res["outputs"]

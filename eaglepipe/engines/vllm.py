@@ -133,6 +133,11 @@ class VLLMEngine(Engine):
         quantization: ``LLM(quantization=...)`` of the target in every mode (e.g. "fp8": weights quantized
             at load; names checked by :mod:`eaglepipe.quantization`). An EAGLE-3 draft stays unquantized
             (vLLM's SpeculativeConfig passes the target's quantization on only to MTP drafts).
+        memory_share: on a GPU, the share of ``gpu_memory_utilization`` (EAGLEPIPE_VLLM_ARGS' or llm_kwargs',
+            else vLLM's default, read from ``vllm.engine.arg_utils.EngineArgs``) this instance takes, for n
+            instances on one GPU (extract.workers: 1/n). vLLM sizes each instance's KV cache to that fraction of
+            the *whole* GPU, so four at 0.35 ask for 140 % of it and the later ones fail "No available memory
+            for the cache blocks" (the H200, vLLM 0.26, 2026-12-04). Ignored on a CPU (VLLM_CPU_KVCACHE_SPACE).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2, "generate": 29.8}.
         n_layers: N of the target.
@@ -144,7 +149,8 @@ class VLLMEngine(Engine):
         self, target_dir, dtype: str = "float32", kv_cache_gib: float = 2, threads_bind: str | None = None,
         work_dir: str | Path | None = None, max_model_len: int | None = None,
         capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0,
-        llm_kwargs: dict | None = None, info=None, quantization: str | None = None, **_,
+        llm_kwargs: dict | None = None, info=None, quantization: str | None = None, memory_share: float = 1.0,
+        **_,
     ):
         super().__init__(target_dir, dtype, info)
         self.quantization = quantization
@@ -161,6 +167,9 @@ class VLLMEngine(Engine):
         self._extra = {**json.loads(os.environ.get(LLM_ARGS_ENV) or "{}"), **(llm_kwargs or {})}
         if quantization is not None:
             self._extra["quantization"] = quantization
+        if not 0 < memory_share <= 1:
+            raise ValueError(f"memory_share {memory_share} is not in (0, 1]")
+        self.memory_share = memory_share
 
     # ---------------------------------------------------------------- instances
 
@@ -178,7 +187,7 @@ class VLLMEngine(Engine):
             # EAGLEPIPE_VLLM_ARGS / llm_kwargs may override these (e.g. enforce_eager false on a GPU: CUDA graphs)
             args = {"model": str(self.target_dir), "dtype": self.dtype, "enforce_eager": self.enforce_eager,
                     "max_model_len": self.max_model_len, "seed": self.seed}
-            llm = LLM(**{**args, **self._extra, **kwargs})
+            llm = LLM(**{**args, **self._extra, **self._memory_args(), **kwargs})
         finally:
             # vLLM's CPU platform adds torch's libgomp to LD_PRELOAD in OUR environment so that its spawned
             # engine process gets it; that process has started now, so keep it from leaking into every
@@ -191,6 +200,26 @@ class VLLMEngine(Engine):
         log.info("vllm %s instance started in %.1f s", mode[0], self.startup_s[mode[0]])
         self._llm, self._mode = llm, mode
         return llm
+
+    def _memory_args(self) -> dict:
+        """``{"gpu_memory_utilization": share × the fraction asked for}`` on a GPU when sharing it, else {}."""
+        import torch
+
+        if self.memory_share == 1 or not torch.cuda.is_available():
+            return {}
+        from vllm.engine.arg_utils import EngineArgs
+
+        asked = self._extra.get("gpu_memory_utilization", EngineArgs.gpu_memory_utilization)
+        return {"gpu_memory_utilization": round(asked * self.memory_share, 4)}
+
+    def start_generation(self) -> None:
+        """Start the plain (generate) instance now: vLLM's start profiles GPU memory, so instances sharing a
+        GPU must start one at a time (one that sees another's memory change meanwhile refuses to start)."""
+        self._start(("generate",))
+
+    def start_capture(self, ids: list[int]) -> None:
+        """Start the capture instance for ``ids`` now (as :meth:`start_generation`)."""
+        self._capture_llm(list(ids))
 
     def close(self) -> None:
         """Stop the running instance (if any) and remove captured files. Safe to call twice."""

@@ -51,6 +51,7 @@ set -uo pipefail
 cd "${REPO_ROOT:-$(dirname "$0")/../..}"  # pipeline runs a copy of this folder, from the repo root
 d=scripts/gpu_engines/device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+RUN_REPO=${RUN_REPO:-/tmp/repo}  # the copy of the repo a pipeline runs in (tests: elsewhere)
 KEEP=${KEEP:-/tmp/keep} RES=${RES:-/tmp/res}  # kept parts, the pipeline's results (tests/test_gpu_scripts.py: elsewhere)
 P=${P:-24}; NEW=${NEW:-128}; NCONV=${NCONV:-64}
 B="python3 benchmarks/h200_engines.py --out $OUT --prompts $P --max-new $NEW --n $NCONV"
@@ -117,10 +118,12 @@ case ${1:-} in
     # fast as the host's CPU); the gate's capture instance stays eager (GPU_VLLM_ARGS of its own call). vLLM
     # captures graphs up to batch 512 unless told (config/compilation.py: max_cudagraph_capture_size), so 1024 here.
     # If that fails, extract goes on eager from its first missing shard (shards are written atomically, resumed).
-    G='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024, "enforce_eager": false,
+    # DATA_MEM: the fraction all of extract's vLLM instances take together (extract.workers = n: 1/n each).
+    M=${DATA_MEM:-0.35}
+    G='{"gpu_memory_utilization": '$M', "max_num_seqs": 1024, "enforce_eager": false,
         "compilation_config": {"max_cudagraph_capture_size": 1024}}'
     { GPU_VLLM_ARGS=$G timeout 900 bash scripts/gpu_run.sh check_params target prompts extract > "$OUT/draft_data.log" 2>&1 ||
-      GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35, "max_num_seqs": 1024}' timeout 900 bash scripts/gpu_run.sh \
+      GPU_VLLM_ARGS='{"gpu_memory_utilization": '$M', "max_num_seqs": 1024}' timeout 900 bash scripts/gpu_run.sh \
         extract > "$OUT/draft_data_eager.log" 2>&1; } &&
     GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35}' timeout 300 bash scripts/gpu_run.sh validate_offsets \
       >> "$OUT/draft_data.log" 2>&1; rc=$?
@@ -217,9 +220,17 @@ case ${1:-} in
   pipeline)  # everything pending at once, in the background (pipeline.sh says what and in which order)
     # It runs in a copy of the repo: the working tree is sent again with every call (params.yaml, which
     # gpu_run.sh merges, included), and bash reads a script as it goes.
-    mkdir -p $RES /tmp/repo; tar -cf - --exclude=./.gpu --exclude=./data . | tar -xf - -C /tmp/repo
-    REPO_ROOT=/tmp/repo OUT=$RES setsid nohup bash /tmp/repo/scripts/gpu_engines/pipeline.sh \
+    # A pipeline still running (a watch that returned at a Traceback while the step's other processes went on)
+    # is stopped first, its whole session: the seventeenth window's restart ran beside the old one's extract
+    # workers, in the same scratch folder, and both failed.
+    if [ -f $RES/pipeline.pid ] && kill -0 "$(cat $RES/pipeline.pid)" 2>/dev/null; then
+      echo "stopping the pipeline still running (session $(cat $RES/pipeline.pid))"
+      kill -TERM -- -"$(cat $RES/pipeline.pid)" 2>/dev/null; sleep 10; kill -KILL -- -"$(cat $RES/pipeline.pid)" 2>/dev/null
+    fi
+    mkdir -p $RES $RUN_REPO; tar -cf - --exclude=./.gpu --exclude=./data . | tar -xf - -C $RUN_REPO
+    REPO_ROOT=$RUN_REPO OUT=$RES setsid nohup bash $RUN_REPO/scripts/gpu_engines/pipeline.sh \
       > $RES/pipeline.log 2>&1 < /dev/null &
+    echo $! > $RES/pipeline.pid  # setsid execs (a background job is no group leader): this pid leads the session
     sleep 5; cat $RES/steps.txt ;;
   watch)  # hold the machine up to $2 s (default 540) while pipeline runs: back as soon as a step fails, kept
     # parts wait to be returned, DONE appears or a log gets a Traceback, with the steps so far and the running
