@@ -723,11 +723,13 @@ def eval_summary(results, steps: int) -> dict:
 
 def end_epoch(run: Run, st: State, curves: Curves) -> None:
     """Step 7: evaluate, log, keep the weights if τ_sim is the best so far, move to the next epoch, checkpoint."""
+    t0 = time.time()
     ev = evaluate(run)
     ev["epoch"], ev["step"] = st.epoch, st.step
     st.evals.append(ev)
-    log.info("epoch %d: eval loss %.4f, acc %s, tau_sim %.3f", st.epoch, ev["loss"],
-             [round(a, 3) for a in ev["acc"]], ev["tau_sim"])
+    log.info("epoch %d: eval loss %.4f, acc %s, tau_sim %.3f (training %.0f s so far, %.0f tok/s; eval %.1f s)",
+             st.epoch, ev["loss"], [round(a, 3) for a in ev["acc"]], ev["tau_sim"], st.seconds,
+             st.tokens / st.seconds if st.seconds else 0.0, time.time() - t0)
     row = {"eval/tau_sim": ev["tau_sim"], "eval/loss": ev["loss"]}
     row.update({f"eval/acc_step{j}": a for j, a in enumerate(ev["acc"])})
     curves.log(st.step, row)
