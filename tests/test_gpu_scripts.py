@@ -173,6 +173,7 @@ def test_slim_keeps_counts_of_equal_outputs_not_the_token_ids(tmp_path):
     assert all("outputs_draft" not in r and "outputs_plain" not in r and r["note"] == "n" for r in got.values())
 
 
+@pytest.mark.skipif(shutil.which("setsid") is None, reason="needs util-linux's setsid (suite.sh pipeline runs under it)")
 def test_a_new_pipeline_stops_the_one_still_running(window):
     """The seventeenth window restarted the pipeline after a watch returned at a worker's Traceback, while the
     old extract's other workers ran on in the same scratch folder: both failed. `suite.sh pipeline` now stops the
