@@ -137,7 +137,8 @@ def quarantine(samples: list[FeatureSample]) -> tuple[list[FeatureSample], list[
     return kept, bad
 
 
-# ExtractParams fields that change how the shards are made, not what they hold (keys and manifest ignore them).
+# ExtractParams fields that change how the shards are made, not what they hold: plan_key ignores them; the
+# manifest header ignores workers (batch_size has always been recorded there, and stays, so its bytes do not move).
 _NOT_IN_SHARDS = {"batch_size", "workers"}
 
 

@@ -203,8 +203,6 @@ class VLLMEngine(Engine):
 
     def _memory_args(self) -> dict:
         """``{"gpu_memory_utilization": share × the fraction asked for}`` on a GPU when sharing it, else {}."""
-        import torch
-
         if self.memory_share == 1 or not torch.cuda.is_available():
             return {}
         from vllm.engine.arg_utils import EngineArgs

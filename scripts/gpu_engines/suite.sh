@@ -223,9 +223,10 @@ case ${1:-} in
     # A pipeline still running (a watch that returned at a Traceback while the step's other processes went on)
     # is stopped first, its whole session: the seventeenth window's restart ran beside the old one's extract
     # workers, in the same scratch folder, and both failed.
-    if [ -f $RES/pipeline.pid ] && kill -0 "$(cat $RES/pipeline.pid)" 2>/dev/null; then
-      echo "stopping the pipeline still running (session $(cat $RES/pipeline.pid))"
-      kill -TERM -- -"$(cat $RES/pipeline.pid)" 2>/dev/null; sleep 10; kill -KILL -- -"$(cat $RES/pipeline.pid)" 2>/dev/null
+    old=$(cat $RES/pipeline.pid 2>/dev/null)
+    if [ -n "$old" ] && kill -0 "$old" 2>/dev/null; then
+      echo "stopping the pipeline still running (session $old)"
+      kill -TERM -- -"$old" 2>/dev/null; sleep 10; kill -KILL -- -"$old" 2>/dev/null
     fi
     mkdir -p $RES $RUN_REPO; tar -cf - --exclude=./.gpu --exclude=./data . | tar -xf - -C $RUN_REPO
     REPO_ROOT=$RUN_REPO OUT=$RES setsid nohup bash $RUN_REPO/scripts/gpu_engines/pipeline.sh \
