@@ -130,7 +130,11 @@ case ${1:-} in
     grep -h "^=== \|Error" "$OUT"/draft_data*.log | cut -c1-400; exit $rc ;;
   draft-train)  # issue 13: online training (the target in the loop) and export; if it fails, once more with the
     # eager capture on a side stream (train.compile_capture false: the seventh window's 108.9k tok/s), resuming
-    # from the last checkpoint (the same run key)
+    # from the last checkpoint (the same run key). First what else holds the GPU or the CPU (window 17 trained at
+    # about half window 16's speed, cause unmeasured): $OUT/before_train.txt
+    { nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
+      nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu,utilization.gpu,memory.used --format=csv
+      nproc; uptime; ps -eo pid,ppid,pcpu,rss,etimes,comm --sort=-pcpu | head -15; } > "$OUT/before_train.txt" 2>&1
     timeout 1500 bash scripts/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1 ||
       GPU_SET="${GPU_SET:-} train.compile_capture=false" timeout 1500 bash scripts/gpu_run.sh train_drafter export \
         > "$OUT/draft_train_eager.log" 2>&1; rc=$?
