@@ -354,3 +354,18 @@ def test_sim_gap_reproduces_the_held_out_evaluation(features, tiny_target, tmp_p
     want = [s["best"]["acc"][f"step{j}"] for j in range(p.ttt_steps)]
     assert got["acc"] == pytest.approx(want, abs=1e-4) and got["tau_sim"] == pytest.approx(s["best"]["tau_sim"], abs=1e-4)
     assert got["positions"] == sum(int(x.loss_mask.sum()) for x in held) and 0 < got["acc"][0] < 1
+
+
+def test_compile_stats_counts_what_torch_compile_compiled():
+    """The epoch log's compile figures come from dynamo's own counters: a new compiled function adds one graph
+    and its compile seconds."""
+    from eaglepipe.train import compile_stats
+
+    graphs, seconds = compile_stats()
+    f = torch.compile(lambda x: (x * 3).cos().sum(), dynamic=False)
+    f(torch.randn(5))
+    graphs2, seconds2 = compile_stats()
+    assert graphs2 == graphs + 1
+    assert seconds2 > seconds
+    f(torch.randn(5))  # same shape: no new graph
+    assert compile_stats()[0] == graphs2
