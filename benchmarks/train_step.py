@@ -12,6 +12,10 @@ Implementations (``impl`` in the JSON):
   ``train.teacher_precision: tf32``.
 - ``eaglepipe-fast-frozen``: the same with ``train.freeze_lm_head`` (speculators' default set-up).
 - ``eaglepipe-fast-frozen-bf16t``: the same with a bf16 teacher product (what speculators computes).
+- ``eaglepipe-fast-cg`` / ``eaglepipe-fast-frozen-cg``: ``eaglepipe-fast`` / ``-frozen`` with the compiled draft
+  layer and norm replayed as CUDA graphs (``compile_draft(mode="reduce-overhead")``, Inductor's CUDA graph trees):
+  shape A is launch-bound (924 kernels a step, 16 ms of GPU work in a 29–39 ms step), so fewer launches are its
+  lever (not yet run on the H200).
 - ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
   on the H200).
 - ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,
@@ -186,7 +190,7 @@ def seeded_draft(s: Shape, x: dict) -> Eagle3Draft:
 
 
 def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32", frozen: bool = False,
-                   whole_unroll: bool = False):
+                   whole_unroll: bool = False, cudagraphs: bool = False):
     draft = seeded_draft(s, x)
     with torch.no_grad():
         draft.lm_head.weight.copy_(x["lm_head"][x["t2d"]])
@@ -197,12 +201,14 @@ def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32
         fn = torch.compile(ttt_unroll_fast)
         unroll = lambda b, soft: fn(draft, head.embed, b, soft, ttt, 0.8)  # noqa: E731
     elif fast:
-        compile_draft(draft)
+        compile_draft(draft, mode="reduce-overhead" if cudagraphs else None)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=fast)
     batch = Batch(x["input_ids"], x["positions"], x["doc"], x["loss_mask"], x["aux"], x["last"], x["top_in_vocab"])
 
     def step():
+        if cudagraphs:  # a new training step: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         soft = soft_targets(head, batch.last, draft.t2d, batch.top_in_vocab, precision=teacher, need=batch.loss_mask)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             r = unroll(batch, soft)
@@ -317,6 +323,9 @@ IMPLS = {
     "eaglepipe-fast-frozen-bf16t": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="bf16", frozen=True),
     "eaglepipe-fast-unroll-frozen": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", frozen=True,
                                                                    whole_unroll=True),
+    "eaglepipe-fast-cg": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", cudagraphs=True),
+    "eaglepipe-fast-frozen-cg": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", frozen=True,
+                                                               cudagraphs=True),
     "speculators": lambda s, x, t: speculators_impl(s, x, t),
     "speculators-lmhead": lambda s, x, t: speculators_impl(s, x, t, train_lm_head=True),
 }

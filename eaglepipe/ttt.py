@@ -558,10 +558,13 @@ def ttt_unroll_fast(
     return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
 
 
-def compile_draft(draft: Eagle3Draft, whole_layer: bool = True) -> None:
+def compile_draft(draft: Eagle3Draft, whole_layer: bool = True, mode: str | None = None) -> None:
     """torch.compile the draft in place (parameter names unchanged): the decoder layer including its attention
     (flex_attention traced into the graph) and the final norm, or without ``whole_layer`` only the norms and the
-    MLP. A no-op off CUDA. (H200, SmolLM2 shapes, 16k tokens: the whole layer was the faster of the two.)"""
+    MLP. A no-op off CUDA. (H200, SmolLM2 shapes, 16k tokens: the whole layer was the faster of the two.)
+    ``mode``: torch.compile's mode; "reduce-overhead" replays the graphs as CUDA graphs (Inductor's CUDA graph
+    trees; the caller marks each training step with ``torch.compiler.cudagraph_mark_step_begin()``), measured only
+    by benchmarks/train_step.py's ``-cg`` rows; train_drafter compiles with the default (None)."""
     if not torch.cuda.is_available():
         return
     # Rows have one shape (pad_batch) and steps ≥ 1 one of BUCKETS query lengths (flex_rows), so the static graphs
@@ -574,7 +577,7 @@ def compile_draft(draft: Eagle3Draft, whole_layer: bool = True) -> None:
         draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm,
         draft.midlayer.mlp, draft.norm]
     for m in parts:  # static shapes: dynamo's automatic dynamic ones would give flex a symbolic query length, which
-        m.compile(dynamic=False)  # Inductor's CPU flex kernel failed to compile (torch 2.13); CUDA's was not tried
+        m.compile(dynamic=False, mode=mode)  # Inductor's CPU flex kernel failed to compile (torch 2.13); CUDA's was not tried
 
 
 class TTTUnroll(torch.nn.Module):

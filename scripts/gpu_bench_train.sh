@@ -8,8 +8,19 @@
 # an ignored folder of that checkout, e.g. .gpu-train/, carry it, and run: cd .gpu-train && bash scripts/gpu_bench_train.sh
 # Runs used for the committed figures (one command each, ≤ 10 min):
 #   --checks --shapes A --ttt 3 7 ;  --shapes B --ttt 3 7 --iters 5 --warmup 2 ;  --shapes A/B --iters 4 --warmup 2
+#   HERE, once: bash scripts/gpu_bench_train.sh fetch   (the wheels into the ignored .whl/, ~5 MiB; then carry ".whl")
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = fetch ]; then  # speculators 0.9.0 + what its draft step imports and the image lacks (METADATA's
+  # Requires-Dist less the image's packages; openai, datasets, hs_connectors are stubbed by train_step.py)
+  grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl speculators==0.9.0 \
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+    pydantic-settings==2.16.3 python-dotenv==1.2.4 loguru==0.7.3 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 \
+    pygments==2.21.0 typer==0.29.2 shellingham==1.5.4 annotated-doc==0.0.4
+  ls .whl; exit 0
+fi
 OUTDIR="${OUT:-/tmp/out}"
 mkdir -p "$OUTDIR"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -254,6 +254,35 @@ def test_fast_path_equals_the_plain_path(draft, steps, device):
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=10 * tol["rtol"], atol=tol["atol"], msg=k)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs (compile mode "
+                    "reduce-overhead, benchmarks/train_step.py's -cg rows) exist only there")
+def test_cuda_graph_replays_of_the_compiled_draft_give_the_plain_loss_and_gradients(draft):
+    """compile_draft(mode="reduce-overhead"): the recording step and two replays each give the plain path's loss and
+    gradients, so the benchmark's -cg rows time the same computation."""
+    import copy
+
+    from eaglepipe.ttt import compile_draft
+
+    plain, cg = draft.cuda(), copy.deepcopy(draft).cuda()
+    compile_draft(cg, mode="reduce-overhead")
+    embed = torch.randn(99, 32, device="cuda")
+    b, soft = _packed_case()
+    b = b.to("cuda")
+    soft = SoftTargets(p=soft.p.cuda(), top=soft.top.cuda(), top_in_vocab=soft.top_in_vocab.cuda())
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = []
+        for d, fast in ((plain, False), (cg, True)):
+            d.zero_grad(set_to_none=True)
+            r = ttt_unroll(d, embed, b, soft, steps=3, decay=0.8, fast=fast)
+            r.loss.backward()
+            out.append((r.loss.detach().clone(), {k: v.grad.clone() for k, v in d.named_parameters()}))
+        (loss0, g0), (loss1, g1) = out
+        torch.testing.assert_close(loss1, loss0, rtol=1e-4, atol=1e-5)
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
 def _prompt_reply(b: Batch, frac: float = 2 / 3) -> Batch:
     """b with each sample's first ``frac`` of positions prompt (loss_mask False), as real rows are."""
     n = torch.bincount(b.doc[0])[b.doc]  # (1, T) length of each position's sample
