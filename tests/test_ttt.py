@@ -283,6 +283,31 @@ def test_cuda_graph_replays_of_the_compiled_draft_give_the_plain_loss_and_gradie
             torch.testing.assert_close(g1[k], g0[k], rtol=1e-3, atol=1e-5, msg=k)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compile_draft compiles only there")
+def test_evaluation_with_autograd_on_reuses_the_training_graphs(draft):
+    """train.evaluate's reason to keep autograd on under train.fast: a forward with grad on after a training step
+    compiles nothing new, one under no_grad compiles its own graphs (dynamo guards on the grad mode)."""
+    from eaglepipe.train import compile_stats
+    from eaglepipe.ttt import compile_draft
+
+    torch._dynamo.reset()
+    d = draft.cuda()
+    compile_draft(d)
+    embed = torch.randn(99, 32, device="cuda")
+    b, soft = _packed_case()
+    b = b.to("cuda")
+    soft = SoftTargets(p=soft.p.cuda(), top=soft.top.cuda(), top_in_vocab=soft.top_in_vocab.cuda())
+    ttt_unroll(d, embed, b, soft, steps=3, decay=0.8, fast=True).loss.backward()
+    trained = compile_stats()[0]
+    assert trained > 0
+    with torch.enable_grad():
+        ttt_unroll(d, embed, b, soft, steps=3, decay=0.8, fast=True)
+    assert compile_stats()[0] == trained
+    with torch.no_grad():
+        ttt_unroll(d, embed, b, soft, steps=3, decay=0.8, fast=True)
+    assert compile_stats()[0] > trained
+
+
 def _prompt_reply(b: Batch, frac: float = 2 / 3) -> Batch:
     """b with each sample's first ``frac`` of positions prompt (loss_mask False), as real rows are."""
     n = torch.bincount(b.doc[0])[b.doc]  # (1, T) length of each position's sample
