@@ -477,6 +477,12 @@ class Run:
     total_steps: int
     ckpt: Path  # <scratch>/<run key>/last.pt
     capture: OnlineCapture | None = None  # online (a tokens store): the frozen target computing the features
+    target_dir: Path | None = None
+
+    def draft_extra(self) -> dict:
+        """The draft's config.json entries besides its DraftConfig (what export and serve_eval read), before the
+        best epoch's figures."""
+        return {"layers": self.fs.layers, "target": str(self.target_dir)}
 
     def autocast(self):
         return autocast_for(self.device)
@@ -565,7 +571,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     key = run_key({"train": p.model_dump(exclude={"capture_stream", "compile_capture"}),  # no result changes: resumable
                    "features": fs.manifest.get("run_key"), "n": len(fs), "target": target_cfg, "world": d.world})
     return Run(d, device, p, features_dir, fs, train, held, lengths, inv, head, cfg, vstats, draft, unroll, model,
-               opt, sched, total, Path(scratch_dir) / key / CKPT, capture)
+               opt, sched, total, Path(scratch_dir) / key / CKPT, capture, Path(target_dir))
 
 
 def _steps_per_epoch(rows: list, d: Dist, p: TrainParams) -> int:
@@ -595,7 +601,9 @@ def checkpoint(run: Run, st: State) -> None:
     if run.d.main:
         with atomic_path(run.ckpt) as tmp:
             torch.save({"model": run.draft.state_dict(), "optimizer": run.opt.state_dict(),
-                        "scheduler": run.sched.state_dict(), "rng": rng_state(), "state": st}, tmp)
+                        "scheduler": run.sched.state_dict(), "rng": rng_state(), "state": st,
+                        "draft": {"config": run.cfg.to_dict(), "extra": run.draft_extra(), "epochs": run.p.epochs}},
+                       tmp)
     if run.d.world > 1:
         dist.barrier()
 
@@ -781,6 +789,31 @@ def summarize(run: Run, st: State, resumed_from: int) -> dict:
     }
 
 
+def save_best_so_far(scratch_dir: str | Path, out_dir: str | Path) -> dict:
+    """The best epoch so far of a run that is still training, or was killed, written to ``out_dir`` as
+    :func:`train_drafter` writes its draft (config.json + model.safetensors), with ``interim`` in config.json: the
+    epochs ended, of how many, and the optimizer step. Reads the newest ``<scratch_dir>/<run key>/last.pt``
+    (written atomically, so reading it beside a running training is safe). For a GPU window about to end
+    (``suite.sh ckpt-keep``): the eighteenth window's budget ended in epoch 3 with epochs 1–2 evaluated, and
+    nothing was kept. Returns {"epochs_ended", "epochs", "step", "best_epoch", "best_tau_sim"}.
+    Raises EaglepipeError: no checkpoint under scratch_dir, or none with an ended epoch (nothing evaluated yet)."""
+    ckpts = sorted(Path(scratch_dir).glob(f"*/{CKPT}"), key=lambda f: f.stat().st_mtime)
+    if not ckpts:
+        raise EaglepipeError(f"no training checkpoint under {scratch_dir} (train_drafter writes <run key>/{CKPT})")
+    ck = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
+    st, meta = ck["state"], ck.get("draft")
+    if meta is None or st.best_state is None:
+        raise EaglepipeError(f"{ckpts[-1]}: no epoch has ended yet (or the checkpoint predates this function), so "
+                             "no evaluated weights to keep; wait for the first epoch's eval line")
+    draft = Eagle3Draft(DraftConfig(**meta["config"]))
+    draft.load_state_dict(st.best_state)
+    info = {"epochs_ended": st.epoch, "epochs": meta["epochs"], "step": st.step, "best_epoch": st.best_epoch,
+            "best_tau_sim": st.best_tau}
+    save_draft(draft, Path(out_dir), extra={**meta["extra"], "best_tau_sim": st.best_tau,
+                                            "best_epoch": st.best_epoch, "interim": info})
+    return info
+
+
 def train_drafter(
     features_dir: str | Path,
     target_dir: str | Path,
@@ -813,8 +846,8 @@ def train_drafter(
     summary = summarize(run, st, resumed_from)
     if d.main:
         run.draft.load_state_dict(st.best_state)
-        save_draft(run.draft, Path(out_dir), extra={"layers": run.fs.layers, "target": str(target_dir),
-                                                    "best_tau_sim": st.best_tau, "best_epoch": st.best_epoch})
+        save_draft(run.draft, Path(out_dir), extra={**run.draft_extra(), "best_tau_sim": st.best_tau,
+                                                    "best_epoch": st.best_epoch})
         curves.end(st.best_tau)
         shutil.rmtree(run.ckpt.parent, ignore_errors=True)
     if d.world > 1:

@@ -30,6 +30,7 @@
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (≤ 3 a call), and, in a later window, the carried parts back to data/drafter
 #                       + the stages up to export (HERE between them: keep_drafter.sh drafter FILES_AT... → c08)
+#   suite.sh ckpt-keep  the same for the best epoch so far of a draft-train still running (a window about to end)
 #   suite.sh data-keep | data-restore   the same for draft-data's output (data/features, data/validated.json):
 #                       a later window trains without regenerating (keep_drafter.sh draftdata FILES_AT... → c09..)
 #   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
@@ -63,6 +64,13 @@ return_kept() {  # ≤ 3 pending parts (+ their set's sha256) to $OUT, each part
   # files and 64 MiB a call (the twelfth window's first watch lost 4 of draftdata's 8 parts so)
   local p; for p in $(pending_kept | head -3); do
     cp $p "${p%.tar.part*}.sha256" "$OUT/" && touch $KEEP/.returned-$(basename $p); done; true
+}
+keep_set() {  # keep_set NAME DIR WHAT...: DIR's WHAT as NAME.tar in ≤ 15 MiB parts in $KEEP (+ NAME.sha256)
+  local name=$1 dir=$2; shift 2
+  mkdir -p $KEEP; rm -f $KEEP/$name.* $KEEP/.returned-$name.*
+  tar -cf $KEEP/$name.tar -C "$dir" "$@" || return 1
+  (cd $KEEP && sha256sum $name.tar > $name.sha256 && split -b 15M -d $name.tar $name.tar.part && rm $name.tar &&
+   ls -l $name.*)
 }
 case ${1:-} in
   setup)
@@ -197,11 +205,14 @@ case ${1:-} in
     # returns their parts, ≤ 3 a call, each once (or `suite.sh keep` calls); HERE `keep_drafter.sh NAME FILES_AT...`
     # makes them carry c08.. (drafter) or c09, c09b.. (draftdata), and a later window's `setup` + `draft-restore` serves that
     # draft without draft-data and draft-train, or `data-restore` trains without draft-data (the same GPU_SET)
-    name=drafter what=drafter; [ "$1" = data-keep ] && name=draftdata what="features validated.json"
-    mkdir -p $KEEP; rm -f $KEEP/$name.* $KEEP/.returned-$name.*
-    tar -cf $KEEP/$name.tar -C data $what || exit 1
-    (cd $KEEP && sha256sum $name.tar > $name.sha256 && split -b 15M -d $name.tar $name.tar.part &&
-     rm $name.tar && ls -l $name.*) ;;
+    if [ "$1" = data-keep ]; then keep_set draftdata data features validated.json; else keep_set drafter data drafter; fi ;;
+  ckpt-keep)  # issue 13: the best epoch so far of the draft-train still running in $RUN_REPO (train.save_best_so_far),
+    # kept as draft-keep keeps a finished draft (same name: keep_drafter.sh drafter, draft-restore), its first ≤ 3
+    # parts returned by this call: for a window about to end (the eighteenth ended in epoch 3 with nothing kept)
+    t=$(mktemp -d)
+    (cd $RUN_REPO && venv vllm && python3 -c "import json, sys; from eaglepipe.train import save_best_so_far as s
+print('INTERIM', json.dumps(s('data/.scratch/drafter', sys.argv[1])))" "$t/drafter") || exit 1
+    keep_set drafter "$t" drafter && return_kept && ls -l "$OUT"; rc=$?; rm -rf "$t"; exit $rc ;;
   keep) return_kept && ls -l "$OUT" ;;
   draft-restore|data-restore)  # a kept set (installed by setup) back in data/, then the stages it needs:
     # draft-restore: c08's draft + the stages up to export; data-restore: c09's tokens store and gate verdict +
