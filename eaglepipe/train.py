@@ -476,8 +476,8 @@ class Run:
     sched: object
     total_steps: int
     ckpt: Path  # <scratch>/<run key>/last.pt
+    target_dir: Path
     capture: OnlineCapture | None = None  # online (a tokens store): the frozen target computing the features
-    target_dir: Path | None = None
 
     def draft_extra(self) -> dict:
         """The draft's config.json entries besides its DraftConfig (what export and serve_eval read), before the
@@ -571,7 +571,7 @@ def setup(features_dir, target_dir, p: TrainParams, d: Dist, device: torch.devic
     key = run_key({"train": p.model_dump(exclude={"capture_stream", "compile_capture"}),  # no result changes: resumable
                    "features": fs.manifest.get("run_key"), "n": len(fs), "target": target_cfg, "world": d.world})
     return Run(d, device, p, features_dir, fs, train, held, lengths, inv, head, cfg, vstats, draft, unroll, model,
-               opt, sched, total, Path(scratch_dir) / key / CKPT, capture, Path(target_dir))
+               opt, sched, total, Path(scratch_dir) / key / CKPT, Path(target_dir), capture)
 
 
 def _steps_per_epoch(rows: list, d: Dist, p: TrainParams) -> int:

@@ -576,8 +576,10 @@ def compile_draft(draft: Eagle3Draft, whole_layer: bool = True, mode: str | None
     parts = [draft.midlayer, draft.norm] if whole_layer else [
         draft.midlayer.hidden_norm, draft.midlayer.input_layernorm, draft.midlayer.post_attention_layernorm,
         draft.midlayer.mlp, draft.norm]
-    for m in parts:  # static shapes: dynamo's automatic dynamic ones would give flex a symbolic query length, which
-        m.compile(dynamic=False, mode=mode)  # Inductor's CPU flex kernel failed to compile (torch 2.13); CUDA's was not tried
+    # static shapes: dynamo's automatic dynamic ones would give flex a symbolic query length, which Inductor's CPU
+    # flex kernel failed to compile (torch 2.13); CUDA's was not tried
+    for m in parts:
+        m.compile(dynamic=False, mode=mode)
 
 
 class TTTUnroll(torch.nn.Module):

@@ -210,8 +210,8 @@ def test_ttt_steps_equal_the_serving_chain(draft):
             torch.testing.assert_close(h[0, 0], outs[j][0, t])
 
 
-def _packed_case(T=37, Vd=8, seed=0):
-    """A packed row of three samples with a loss mask, peaked random soft targets and some OOV top-1s."""
+def _packed_case(T=37, Vd=8, seed=0, device="cpu"):
+    """A packed row of three samples with a loss mask, peaked random soft targets and some OOV top-1s (on device)."""
     g = torch.Generator().manual_seed(seed)
     lens = [14, 9, T - 23]
     doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])[None]  # (1, T)
@@ -220,7 +220,8 @@ def _packed_case(T=37, Vd=8, seed=0):
               torch.randn(1, T, 3, 32, generator=g), torch.zeros(1, T, 32))
     p = torch.softmax(3 * torch.randn(1, T, Vd, generator=g), -1)
     soft = SoftTargets(p=p, top=p.argmax(-1), top_in_vocab=torch.rand(1, T, generator=g) > 0.1)
-    return b, soft
+    return b.to(device), SoftTargets(p=soft.p.to(device), top=soft.top.to(device),
+                                     top_in_vocab=soft.top_in_vocab.to(device))
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: "
@@ -233,9 +234,7 @@ def test_fast_path_equals_the_plain_path(draft, steps, device):
     """Same loss, per-step counts and gradients (fp32) for the fast implementation of the step."""
     draft = draft.to(device)
     embed = torch.randn(99, 32, device=device)
-    b, soft = _packed_case()
-    b = b.to(device)
-    soft = SoftTargets(p=soft.p.to(device), top=soft.top.to(device), top_in_vocab=soft.top_in_vocab.to(device))
+    b, soft = _packed_case(device=device)
     results, grads = [], []
     for fast in (False, True):
         draft.zero_grad(set_to_none=True)
@@ -266,9 +265,7 @@ def test_cuda_graph_replays_of_the_compiled_draft_give_the_plain_loss_and_gradie
     plain, cg = draft.cuda(), copy.deepcopy(draft).cuda()
     compile_draft(cg, mode="reduce-overhead")
     embed = torch.randn(99, 32, device="cuda")
-    b, soft = _packed_case()
-    b = b.to("cuda")
-    soft = SoftTargets(p=soft.p.cuda(), top=soft.top.cuda(), top_in_vocab=soft.top_in_vocab.cuda())
+    b, soft = _packed_case(device="cuda")
     for _ in range(3):
         torch.compiler.cudagraph_mark_step_begin()
         out = []
@@ -294,9 +291,7 @@ def test_evaluation_with_autograd_on_reuses_the_training_graphs(draft):
     d = draft.cuda()
     compile_draft(d)
     embed = torch.randn(99, 32, device="cuda")
-    b, soft = _packed_case()
-    b = b.to("cuda")
-    soft = SoftTargets(p=soft.p.cuda(), top=soft.top.cuda(), top_in_vocab=soft.top_in_vocab.cuda())
+    b, soft = _packed_case(device="cuda")
     ttt_unroll(d, embed, b, soft, steps=3, decay=0.8, fast=True).loss.backward()
     trained = compile_stats()[0]
     assert trained > 0
