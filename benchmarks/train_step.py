@@ -15,7 +15,10 @@ Implementations (``impl`` in the JSON):
 - ``eaglepipe-fast-cg`` / ``eaglepipe-fast-frozen-cg``: ``eaglepipe-fast`` / ``-frozen`` with the compiled draft
   layer and norm replayed as CUDA graphs (``compile_draft(mode="reduce-overhead")``, Inductor's CUDA graph trees):
   shape A is launch-bound (924 kernels a step, 16 ms of GPU work in a 29–39 ms step), so fewer launches are its
-  lever (not yet run on the H200).
+  lever. First run (H200, 2026-12-04): a sixth of ``eaglepipe-fast``'s speed, every step recorded again because
+  the mask_mod's tensors (static inputs to the graph trees) had new addresses; they now stay at fixed ones
+  (``ttt.fixed_address``; not yet run there). Give these rows ``--warmup`` ≥ 2: a graph's first call runs it,
+  the second records it.
 - ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
   on the H200).
 - ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,

@@ -202,6 +202,7 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
+        self.mask_buffers: dict | None = None  # set by ttt.compile_draft under CUDA graphs (ttt.fixed_address)
         self.fc = nn.Linear(cfg.n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -255,9 +255,10 @@ class FlexTTTAttention:
     past and the blocks of each later step that hold its positions, so step j ≥ 1 costs about
     N_j · (its samples' step-0 span + j·BLOCK) per head. Raises AssertionError when T % BLOCK != 0."""
 
-    def __init__(self, doc: torch.Tensor):
+    def __init__(self, doc: torch.Tensor, buffers: dict | None = None):
         B, T = doc.shape
         assert T % BLOCK == 0, f"FlexTTTAttention needs T % {BLOCK} == 0, got T = {T}"
+        self.buffers = buffers  # not None: the mask_mod's tensors live at fixed addresses (:func:`fixed_address`)
         self.doc = torch.cat([doc, doc.min(1, keepdim=True).values - 1], 1)  # (B, T+1): T in no sample
         self.start = sample_starts(doc)  # (B, T)
         self.ats = [torch.arange(T, device=doc.device)]  # positions of each step's queries and keys
@@ -270,8 +271,11 @@ class FlexTTTAttention:
         """Block mask of the next step, at ``at`` (built eagerly: the tables depend on the data)."""
         if self.ks:  # step ≥ 1
             self.ats.append(self.ats[0] if self.at is None else self.at)
-        mod = ttt_mask_mod(self.doc, self.ats[-1], torch.cat(self.ats))  # keys at (T + Σ N_i,)
-        return ttt_block_mask(self.start, self.ats, mod)
+        step = len(self.ats) - 1
+        tensors = (self.doc, self.ats[-1], torch.cat(self.ats))  # keys at (T + Σ N_i,)
+        if self.buffers is not None:
+            tensors = tuple(fixed_address(self.buffers, (step, i), x) for i, x in enumerate(tensors))
+        return ttt_block_mask(self.start, self.ats, ttt_mask_mod(*tensors))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         bm = self.mask()
@@ -280,6 +284,22 @@ class FlexTTTAttention:
         K = torch.cat(self.ks, dim=2) if len(self.ks) > 1 else k  # (B, nkv, T + Σ N_i, hd)
         V = torch.cat(self.vs, dim=2) if len(self.vs) > 1 else v
         return flex_attention_fn()(q, K, V, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def fixed_address(buffers: dict, key: tuple, x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values in a tensor kept in ``buffers`` under (key, shape, dtype, device): the same storage on every
+    call with that key, ``x`` copied in (the first call keeps a clone). Inductor's CUDA graph trees take the
+    tensors a mask_mod closes over as static inputs and record the graph again whenever one's address changes
+    (torch/_inductor/cudagraph_trees.py, "static input data pointer changed": on the H200, 2026-12-04, every step
+    of benchmarks/train_step.py's -cg rows did, at a sixth of the uncaptured speed). Key by TTT step: a step's
+    tensors must survive until its backward, so steps of one training step never share one."""
+    k = (key, tuple(x.shape), x.dtype, x.device)
+    buf = buffers.get(k)
+    if buf is None:
+        buffers[k] = buf = x.clone()
+    else:
+        buf.copy_(x)
+    return buf
 
 
 class SoftCE(torch.autograd.Function):
@@ -530,7 +550,7 @@ def ttt_unroll_fast(
     hidden = pad_to(draft.project(aux), Tp, 0.0)  # (B, Tp, H) step-0 hidden: fc(g_t)
     ids, positions = pad_to(batch.input_ids, Tp, 0), pad_to(batch.positions, Tp, 0)  # (B, Tp)
     doc = pad_to(batch.doc, Tp, -1 if T == Tp else int(batch.doc.max()) + 1)  # (B, Tp)
-    att = FlexTTTAttention(doc) if flex else TTTAttention(doc)
+    att = FlexTTTAttention(doc, draft.mask_buffers) if flex else TTTAttention(doc)
     masks = [counted_trained(batch, soft, j) for j in range(steps)]  # (B, T) counted, trained per step
     rows = [None] * steps
     if B == 1 and (flex or dev.type != "cuda"):
@@ -580,6 +600,7 @@ def compile_draft(draft: Eagle3Draft, whole_layer: bool = True, mode: str | None
     # flex kernel failed to compile (torch 2.13); CUDA's was not tried
     for m in parts:
         m.compile(dynamic=False, mode=mode)
+    draft.mask_buffers = {} if mode == "reduce-overhead" else None  # CUDA graphs: masks at fixed addresses
 
 
 class TTTUnroll(torch.nn.Module):

@@ -459,6 +459,27 @@ def test_flex_attention_equals_dense_masked_attention():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_flex_masks_at_fixed_addresses_give_the_same_attention():
+    """FlexTTTAttention with buffers (compile_draft under CUDA graphs): two batches of different samples through
+    three TTT steps each attend as without buffers, and the mask_mod's tensors stay at the addresses the first
+    batch gave them, one set per (TTT step, tensor) and none shared between steps (a step's backward reads them)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from eaglepipe.ttt import BLOCK, FlexTTTAttention
+
+    torch.manual_seed(0)
+    T, buffers, addresses = 2 * BLOCK, {}, []
+    for cut in (100, 37):
+        doc = torch.cat([torch.zeros(cut), torch.ones(120), torch.full((T - cut - 120,), 2)]).long()[None]
+        kept, fresh = FlexTTTAttention(doc, buffers), FlexTTTAttention(doc)
+        for _ in range(3):
+            q, k, v = torch.randn(1, 4, T, 16), torch.randn(1, 2, T, 16), torch.randn(1, 2, T, 16)
+            torch.testing.assert_close(kept.attend(q, k, v), fresh.attend(q, k, v), rtol=0, atol=0)
+        addresses.append({key: b.data_ptr() for key, b in buffers.items()})
+    assert len(buffers) == 3 * 3 and addresses[1] == addresses[0]
+    assert len(set(addresses[0].values())) == 9
+    assert torch.equal(buffers[((2, 0), (1, T + 1), torch.int64, torch.device("cpu"))][0, :T], doc[0])
+
+
 def test_flex_attention_only_on_cuda_for_heads_of_16_or_more():
     """ttt.uses_flex: Inductor's flex_attention kernel refuses head_dim < 16 (the H200, torch 2.11), and the CPU
     has no fast flex kernel; the fast path attends plainly there (test_fast_path_equals_the_plain_path holds)."""
