@@ -275,7 +275,12 @@ class FlexTTTAttention:
         tensors = (self.doc, self.ats[-1], torch.cat(self.ats))  # keys at (T + Σ N_i,)
         if self.buffers is not None:
             tensors = tuple(fixed_address(self.buffers, (step, i), x) for i, x in enumerate(tensors))
-        return ttt_block_mask(self.start, self.ats, ttt_mask_mod(*tensors))
+        bm = ttt_block_mask(self.start, self.ats, ttt_mask_mod(*tensors))
+        if self.buffers is not None:  # the block tables too (some stayed static inputs, H200 2026-12-04)
+            for name, x in list(vars(bm).items()):
+                if isinstance(x, torch.Tensor):
+                    setattr(bm, name, fixed_address(self.buffers, (step, name), x))
+        return bm
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         bm = self.mask()
@@ -291,8 +296,10 @@ def fixed_address(buffers: dict, key: tuple, x: torch.Tensor) -> torch.Tensor:
     call with that key, ``x`` copied in (the first call keeps a clone). Inductor's CUDA graph trees take the
     tensors a mask_mod closes over as static inputs and record the graph again whenever one's address changes
     (torch/_inductor/cudagraph_trees.py, "static input data pointer changed": on the H200, 2026-12-04, every step
-    of benchmarks/train_step.py's -cg rows did, at a sixth of the uncaptured speed). Key by TTT step: a step's
-    tensors must survive until its backward, so steps of one training step never share one."""
+    of benchmarks/train_step.py's -cg rows did, at a sixth of the uncaptured speed; with only the mask_mod's
+    tensors fixed, two other inputs of flex_attention still moved, so the block tables are kept fixed as well).
+    Key by TTT step: a step's tensors must survive until its backward, so steps of one training step never share
+    one."""
     k = (key, tuple(x.shape), x.dtype, x.device)
     buf = buffers.get(k)
     if buf is None:

@@ -459,24 +459,38 @@ def test_flex_attention_equals_dense_masked_attention():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_flex_masks_at_fixed_addresses_give_the_same_attention():
+def test_flex_masks_at_fixed_addresses_give_the_same_attention(monkeypatch):
     """FlexTTTAttention with buffers (compile_draft under CUDA graphs): two batches of different samples through
-    three TTT steps each attend as without buffers, and the mask_mod's tensors stay at the addresses the first
-    batch gave them, one set per (TTT step, tensor) and none shared between steps (a step's backward reads them)."""
+    three TTT steps each attend as without buffers, and the mask_mod's tensors and the block tables stay at the
+    addresses the first batch gave them, one set per (TTT step, tensor) and none shared between steps (a step's
+    backward reads them)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from eaglepipe.ttt import BLOCK, FlexTTTAttention
+    from torch.nn.attention.flex_attention import flex_attention
 
+    from eaglepipe import ttt
+
+    masks = []
+
+    def flex(q, K, V, block_mask, enable_gqa):  # eager flex reads mask_mod only: the tables are compared apart
+        masks.append(block_mask)
+        return flex_attention(q, K, V, block_mask=block_mask, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(ttt, "flex_attention_fn", lambda: flex)
     torch.manual_seed(0)
-    T, buffers, addresses = 2 * BLOCK, {}, []
+    T, buffers, addresses = 2 * ttt.BLOCK, {}, []
     for cut in (100, 37):
         doc = torch.cat([torch.zeros(cut), torch.ones(120), torch.full((T - cut - 120,), 2)]).long()[None]
-        kept, fresh = FlexTTTAttention(doc, buffers), FlexTTTAttention(doc)
+        kept, fresh = ttt.FlexTTTAttention(doc, buffers), ttt.FlexTTTAttention(doc)
         for _ in range(3):
             q, k, v = torch.randn(1, 4, T, 16), torch.randn(1, 2, T, 16), torch.randn(1, 2, T, 16)
             torch.testing.assert_close(kept.attend(q, k, v), fresh.attend(q, k, v), rtol=0, atol=0)
+            a, b = (vars(m) for m in masks[-2:])
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a if isinstance(a[n], torch.Tensor))
         addresses.append({key: b.data_ptr() for key, b in buffers.items()})
-    assert len(buffers) == 3 * 3 and addresses[1] == addresses[0]
-    assert len(set(addresses[0].values())) == 9
+    tables = [k for k in buffers if isinstance(k[0][1], str)]  # (step, field name) keys
+    assert {k[0][1] for k in tables} >= {"kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"}
+    assert len(buffers) - len(tables) == 3 * 3 and addresses[1] == addresses[0]
+    assert len(set(addresses[0].values())) == len(buffers)
     assert torch.equal(buffers[((2, 0), (1, T + 1), torch.int64, torch.device("cpu"))][0, :T], doc[0])
 
 
