@@ -75,14 +75,20 @@ def _gpu() -> dict:
 
 
 def prep(a) -> None:
-    """Target folder from the GGUF (same dequantization as the CPU target stage) and the carried draft."""
+    """Target folder from the GGUF (same dequantization as the CPU target stage) and the carried draft, if the
+    inputs carry one (build.sh packs the GGUF alone when its checkout has no data/drafter: the GPU profile's
+    draft-* steps need no other)."""
     from eaglepipe.target import materialize_target
 
     w = Path(a.work)
     t0 = time.perf_counter()
     if not (w / "target").exists():
         materialize_target(str(Path(a.inputs) / "SmolLM2-135M-Instruct.Q4_1.gguf"), w / "target", "float32")
-    for name, cfg in (("drafter", "drafter.json"), ("export/vllm", "vllm.json"), ("export/sglang", "sglang.json")):
+    drafts = (("drafter", "drafter.json"), ("export/vllm", "vllm.json"), ("export/sglang", "sglang.json"))
+    if not (Path(a.inputs) / "draft").is_dir():
+        print(f"no draft in {a.inputs} (the GGUF alone): target only; serve/extract/validate need a carried draft")
+        drafts = ()
+    for name, cfg in drafts:
         d = w / name
         d.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(a.inputs) / "draft" / cfg, d / "config.json")
