@@ -297,7 +297,8 @@ def fixed_address(buffers: dict, key: tuple, x: torch.Tensor) -> torch.Tensor:
     tensors a mask_mod closes over as static inputs and record the graph again whenever one's address changes
     (torch/_inductor/cudagraph_trees.py, "static input data pointer changed": on the H200, 2026-12-04, every step
     of benchmarks/train_step.py's -cg rows did, at a sixth of the uncaptured speed; with only the mask_mod's
-    tensors fixed, two other inputs of flex_attention still moved, so the block tables are kept fixed as well).
+    tensors fixed, two other inputs of flex_attention still moved, which two is not known: the block tables are
+    kept fixed as well, on the guess that they are those).
     Key by TTT step: a step's tensors must survive until its backward, so steps of one training step never share
     one."""
     k = (key, tuple(x.shape), x.dtype, x.device)
