@@ -311,10 +311,15 @@ def inspect_draft(
 
     ``versions`` maps engine → version whose rules apply; default: the installed version, else the one the
     rules were verified against (:data:`eaglepipe.convention.KNOWN_VERSIONS`). Raises EaglepipeError when
-    the draft's config.json is missing/unreadable or the target's family is unknown.
+    the draft's config.json is missing/unreadable, when the folder is train_drafter's own output (no engine
+    loads it: its export is what to inspect), or when the target's family is unknown.
     """
     draft_dir = Path(draft_dir)
     cfg = _load_json(draft_dir / "config.json")
+    if isinstance(cfg.get("draft"), dict) and "layers" in cfg:  # draft.load_draft's format (train_drafter)
+        raise EaglepipeError(
+            f"{draft_dir} is train_drafter's output (trained on h{cfg['layers']}), eaglepipe's own format that "
+            "no engine loads: inspect what the export stage made of it, data/export/vllm or data/export/sglang")
     target = target_config if isinstance(target_config, dict) else read_target_config(target_config)
     family, n_layers = target_family(target), conv.n_layers_of(target)
     target_hidden = conv.hidden_size_of(target)

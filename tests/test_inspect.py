@@ -153,6 +153,12 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["engines"]["sglang"]["ids"] == [1, 3, 6]
     assert main(["inspect", str(tmp_path / "missing"), "--target", str(target)]) == 2
     assert "config.json: not found" in capsys.readouterr().err
+    trained = tmp_path / "drafter"  # train_drafter's output (data/drafter): refused, the export named
+    trained.mkdir()
+    (trained / "config.json").write_text(json.dumps({"draft": {"hidden_size": 32}, "layers": [1, 3, 6]}))
+    assert main(["inspect", str(trained), "--target", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "train_drafter's output (trained on h[1, 3, 6])" in err and "data/export/vllm" in err
 
 
 def test_export_for_vllm_only_is_not_an_sglang_problem(tmp_path):
