@@ -16,9 +16,10 @@ Implementations (``impl`` in the JSON):
   layer and norm replayed as CUDA graphs (``compile_draft(mode="reduce-overhead")``, Inductor's CUDA graph trees):
   shape A is launch-bound (924 kernels a step, 16 ms of GPU work in a 29–39 ms step), so fewer launches are its
   lever. First run (H200, 2026-12-04): a sixth of ``eaglepipe-fast``'s speed, every step recorded again because
-  the mask_mod's tensors (static inputs to the graph trees) had new addresses; they now stay at fixed ones
-  (``ttt.fixed_address``; not yet run there). Give these rows ``--warmup`` ≥ 2: a graph's first call runs it,
-  the second records it.
+  the mask_mod's tensors (static inputs to the graph trees) had new addresses. With them at fixed ones
+  (``ttt.fixed_address``): 0.40× of ``eaglepipe-fast`` in one run, two other inputs still moving
+  (``h200/cudagraph_rerecord_window19.json``); the block tables are now fixed too, not yet run there. Give these
+  rows ``--warmup`` ≥ 2: a graph's first call runs it, the second records it.
 - ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
   on the H200).
 - ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,

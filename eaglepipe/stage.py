@@ -22,6 +22,14 @@ def start(name: str) -> Params:
         raise SystemExit(2)
 
 
+def scratch_dir_of(out_dir: str | Path) -> Path:
+    """Where a stage keeps the unfinished work (shards, checkpoints) of the output it writes to ``out_dir``:
+    beside it under ``.scratch/`` (data/drafter → data/.scratch/drafter), outside what DVC hashes, so a run
+    killed midway resumes it (extract's shards, train_drafter's checkpoints; suite.sh ckpt-keep reads the latter)."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / ".scratch" / out_dir.name
+
+
 def run(main) -> None:
     """Call ``main()``; an EaglepipeError becomes its message on stderr (no traceback) and exit code 2 for a
     params/target problem (ParamsError, e.g. a target family or RoPE no engine can serve), else 1."""

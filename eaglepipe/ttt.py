@@ -276,7 +276,7 @@ class FlexTTTAttention:
         if self.buffers is not None:
             tensors = tuple(fixed_address(self.buffers, (step, i), x) for i, x in enumerate(tensors))
         bm = ttt_block_mask(self.start, self.ats, ttt_mask_mod(*tensors))
-        if self.buffers is not None:  # the block tables too (some stayed static inputs, H200 2026-12-04)
+        if self.buffers is not None:  # the block tables too (a guess at the inputs still moving: fixed_address)
             for name, x in list(vars(bm).items()):
                 if isinstance(x, torch.Tensor):
                     setattr(bm, name, fixed_address(self.buffers, (step, name), x))

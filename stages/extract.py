@@ -20,7 +20,7 @@ from eaglepipe.extract import extract
 from eaglepipe.params import check_layers_against_target
 from eaglepipe.prompts import read_jsonl
 from eaglepipe.serving import require_servable
-from eaglepipe.stage import run, start, write_metrics
+from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
 from eaglepipe.target import read_info
 
 
@@ -35,9 +35,8 @@ def main():
         if plan.ids is None:
             logging.getLogger("extract").warning("%s", plan.message(p.layers, info.n_layers))
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
-    scratch = out_dir.parent / ".scratch" / out_dir.name
-    manifest, stats = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir, scratch,
-                              prompts_hash, gate_samples=p.validate_.samples)
+    manifest, stats = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir,
+                              scratch_dir_of(out_dir), prompts_hash, gate_samples=p.validate_.samples)
     write_metrics(metrics, {"engine": manifest["engine"], "engine_version": manifest["engine_version"],
                             "layers": p.layers, "dtype": p.extract.dtype, "store": p.extract.store, **asdict(stats)})
 

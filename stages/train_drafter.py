@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from eaglepipe.features import FeatureSet
-from eaglepipe.stage import run, start, write_metrics
+from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
 from eaglepipe.train import train_drafter
 
 
@@ -21,8 +21,8 @@ def main():
     p = start("train_drafter")
     features, target_dir, out_dir, metrics, report, live_dir = map(Path, sys.argv[1:7])
     FeatureSet(features).require_layers(p.layers)
-    scratch = out_dir.parent / ".scratch" / out_dir.name
-    summary = train_drafter(features, target_dir, out_dir, p.train, scratch_dir=scratch, live_dir=live_dir)
+    summary = train_drafter(features, target_dir, out_dir, p.train, scratch_dir=scratch_dir_of(out_dir),
+                            live_dir=live_dir)
     summary.pop("losses")
     if int(os.environ.get("RANK", "0")) == 0:
         write_metrics(report, {**summary, "params": {"layers": p.layers, "train": p.train.model_dump()}})

@@ -210,8 +210,8 @@ case ${1:-} in
     # kept as draft-keep keeps a finished draft (same name: keep_drafter.sh drafter, draft-restore), its first ≤ 3
     # parts returned by this call: for a window about to end (the eighteenth ended in epoch 3 with nothing kept)
     t=$(mktemp -d)
-    (cd $RUN_REPO && venv vllm && python3 -c "import json, sys; from eaglepipe.train import save_best_so_far as s
-print('INTERIM', json.dumps(s('data/.scratch/drafter', sys.argv[1])))" "$t/drafter") || exit 1
+    (cd $RUN_REPO && venv vllm && python3 -c "import json, sys; from eaglepipe.train import save_best_so_far as s; from eaglepipe.stage import scratch_dir_of as d
+print('INTERIM', json.dumps(s(d('data/drafter'), sys.argv[1])))" "$t/drafter") || exit 1
     keep_set drafter "$t" drafter && return_kept && ls -l "$OUT"; rc=$?; rm -rf "$t"; exit $rc ;;
   keep) return_kept && ls -l "$OUT" ;;
   draft-restore|data-restore)  # a kept set (installed by setup) back in data/, then the stages it needs:
