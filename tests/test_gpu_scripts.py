@@ -58,7 +58,8 @@ def window(tmp_path):
     manifest = f"{'0' * 64}  vllm.tar\n{sha}"
     (carry / "MANIFEST.sha256").write_text(manifest)
     (carry / "c01/MANIFEST.sha256").write_text(manifest)
-    env = {"REPO_ROOT": str(repo), "KEEP": str(tmp_path / "keep"), "RES": str(res), "DEVICE_ENG": str(tmp_path / "eng")}
+    env = {"REPO_ROOT": str(repo), "KEEP": str(tmp_path / "keep"), "RES": str(res), "DEVICE_ENG": str(tmp_path / "eng"),
+           "KEEP_XZ": "-0"}  # the fastest xz level: random bytes do not compress at any
     return repo, env, tmp_path
 
 
@@ -72,9 +73,10 @@ def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
     suite = "scripts/gpu_engines/suite.sh"
     _sh(repo, {**env, "OUT": str(tmp / "out0")}, suite, "data-keep")
     # the device returns ≤ 8 files, 64 MiB a call: ≤ 3 parts a watch, at once while some are left, each once
-    parts = [f"draftdata.tar.part0{i}" for i in range(5)]
+    parts = [f"draftdata.tar.xz.part0{i}" for i in range(5)]
     assert _watch(repo, env, tmp / "out1") == ["draftdata.sha256", *parts[:3], "res.tgz"]
-    assert (tmp / "out1/draftdata.tar.part00").stat().st_size == 15 * 2**20
+    assert (tmp / "out1/draftdata.tar.xz.part00").stat().st_size == 15 * 2**20
+    assert (tmp / "out1/draftdata.tar.xz.part00").read_bytes()[:6] == b"\xfd7zXZ\x00"  # xz's magic: compressed
     with tarfile.open(tmp / "out1/res.tgz") as t:
         assert "./steps.txt" in t.getnames()
     (tmp / "res/DONE").rename(tmp / "res/DONE.later")  # the pipeline still running: a watch would wait 600 s ...
@@ -84,7 +86,7 @@ def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
 
     _sh(repo, {**env, "OUT": str(tmp / "out0")}, suite, "draft-keep")  # then a trained draft, kept too
     _sh(repo, {**env, "OUT": str(tmp / "out3")}, suite, "watch", "5", check=False)
-    assert sorted(p.name for p in (tmp / "out3").iterdir()) == ["drafter.sha256", "drafter.tar.part00", "res.tgz"]
+    assert sorted(p.name for p in (tmp / "out3").iterdir()) == ["drafter.sha256", "drafter.tar.xz.part00", "res.tgz"]
 
     keep = "scripts/gpu_engines/keep_drafter.sh"
     r = _sh(repo, env, keep, "draftdata", str(tmp / "out1"), str(tmp / "out2"))  # ≤ 4 parts (60 MiB) a carry
@@ -94,7 +96,7 @@ def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
     for c in ("c01", "c08", "c09", "c09b"):  # a later window: the wheels' carry, then the kept ones; manifests merge
         _sh(repo, env, "scripts/gpu_engines/device.sh", "stash", f".gpu/carry/{c}")
     names = [line.split()[1] for line in (tmp / "eng/MANIFEST.sha256").read_text().splitlines()]
-    assert {"vllm.tar", "vllm.tar.part00", "drafter.tar", "draftdata.tar", "draftdata.tar.part00"} <= set(names)
+    assert {"vllm.tar", "vllm.tar.part00", "drafter.tar.xz", "draftdata.tar.xz", "draftdata.tar.xz.part00"} <= set(names)
     for kept in ("drafter", "draftdata"):
         _sh(repo, env, "scripts/gpu_engines/device.sh", "install", kept)
     drafter = tmp / "eng/drafter/drafter/model.safetensors"
@@ -134,14 +136,14 @@ def test_parts_that_do_not_make_the_kept_tar_are_refused(window):
     repo, env, tmp = window
     _sh(repo, {**env, "OUT": str(tmp / "out0")}, "scripts/gpu_engines/suite.sh", "data-keep")
     _sh(repo, {**env, "OUT": str(tmp / "out1")}, "scripts/gpu_engines/suite.sh", "watch", "5", check=False)
-    part = tmp / "out1/draftdata.tar.part01"
+    part = tmp / "out1/draftdata.tar.xz.part01"
     b = bytearray(part.read_bytes())
     b[1000] ^= 0xFF  # one byte changed in transit
     part.write_bytes(bytes(b))
     _sh(repo, {**env, "OUT": str(tmp / "out2")}, "scripts/gpu_engines/suite.sh", "watch", "5", check=False)
     keep = "scripts/gpu_engines/keep_drafter.sh"
     r = _sh(repo, env, keep, "draftdata", str(tmp / "out1"), str(tmp / "out2"), check=False)
-    assert r.returncode == 1 and "do not make the draftdata.tar" in r.stderr
+    assert r.returncode == 1 and "do not make the draftdata.tar.xz" in r.stderr
     r = _sh(repo, env, keep, "draftdata", str(tmp / "out2"), check=False)  # a part missing: refused too
     assert r.returncode == 1 and "do not make the draftdata.tar" in r.stderr
     r = _sh(repo, env, keep, "features", str(tmp / "out1"), check=False)

@@ -412,6 +412,6 @@ def test_best_epoch_so_far_is_kept_from_a_run_still_training(features, tiny_targ
                        capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.split("INTERIM ", 1)[1].splitlines()[0]) == info
-    assert sorted(p.name for p in out.iterdir()) == ["drafter.sha256", "drafter.tar.part00"]
-    with tarfile.open(out / "drafter.tar.part00") as t:  # one part: the whole tar
+    assert sorted(p.name for p in out.iterdir()) == ["drafter.sha256", "drafter.tar.xz.part00"]
+    with tarfile.open(out / "drafter.tar.xz.part00") as t:  # one part: the whole (xz) tar
         assert json.loads(t.extractfile("drafter/config.json").read())["interim"] == info

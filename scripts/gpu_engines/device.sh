@@ -19,11 +19,12 @@ case ${1:-} in
   install)
     s=$2; site=/tmp/site; [ "$s" = sglang ] && site=/tmp/site-sgl
     case $s in inputs|data|drafter|draftdata) site=$E/$s ;; esac   # files, not wheels: unpacked only
-    ls $E/$s.tar.part* >/dev/null   # fails loudly when the machine went cold and /tmp/eng was lost
-    cat $E/$s.tar.part* > $E/$s.tar
-    (cd $E && grep "  $s.tar\$" MANIFEST.sha256 | sha256sum -c -)
-    rm -f $E/$s.tar.part*
-    rm -rf $E/$s; mkdir -p $E/$s $site; tar -xf $E/$s.tar -C $E/$s; rm -f $E/$s.tar
+    a=$s.tar; case $s in drafter|draftdata) a=$s.tar.xz ;; esac   # kept sets are xz'd (suite.sh keep_set)
+    ls $E/$a.part* >/dev/null   # fails loudly when the machine went cold and /tmp/eng was lost
+    cat $E/$a.part* > $E/$a
+    (cd $E && grep "  $a\$" MANIFEST.sha256 | sha256sum -c -)
+    rm -f $E/$a.part*
+    rm -rf $E/$s; mkdir -p $E/$s $site; tar -xf $E/$a -C $E/$s; rm -f $E/$a
     [ "$site" = $E/$s ] && { echo "$s in $site: $(ls $site)"; exit 0; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $E/$s/wheels/*.whl
     for t in $E/$s/*-tree.tar.xz; do tar -xJf "$t" -C $site; done   # pruned wheel trees = site-packages layout
