@@ -40,6 +40,17 @@ SEEDS_LAYERS = [3, 4, 5]  # tiny kimi_k2, N = 6 (eaglepipe.tiny_targets); the se
 GPU_VLLM = {"gpu_memory_utilization": 0.35}
 GPU_SGLANG = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True,
               "mem_fraction_static": 0.35}
+# SGLang variants for issue 13's speed-up (serve sglang --variant NAME): k, environment, server args over the ones in
+# effect. Read in the 0.5.17 wheel (not yet run): at bs 1 its EAGLE-3 cycle (3.95 ms at τ 2.13, 13th window, against
+# vLLM's ~2.1 ms) replays the draft, draft-extend and verify graphs with the triton backend, and no blocking sync but
+# the previous batch's result copy, so it is host-bound. "trim": less host work per step (server_args.py's
+# stream_interval and scheduler_recv_interval, default 1 each); "sim": SGLang's own acceptance simulation
+# (environ.py SGLANG_SIMULATE_ACC_LEN, speculative/eagle_utils.py's verify: each step accepts 2.5 tokens on average,
+# the draft's own tokens kept): the speed-up this target gets at τ 2.5, whatever the draft; its outputs are not greedy.
+_TRIM = {"stream_interval": 16, "scheduler_recv_interval": 4}
+_SIM25 = {"SGLANG_SIMULATE_ACC_LEN": "2.5", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
+SGLANG_VARIANTS = {"trim": (3, {}, _TRIM), "sim25": (3, _SIM25, {}), "sim25trim": (3, _SIM25, _TRIM),
+                   "k5trim": (5, {}, _TRIM)}
 
 
 def gpu_env() -> dict[str, dict]:
@@ -120,11 +131,18 @@ def serve(a) -> None:
                            dtype=a.dtype, work_dir=w / "vllm-work")
         opts = {"enforce_eager": True, **a.gpu["vllm"]}
     else:
-        from eaglepipe.engines.sglang import serve_eagle3
+        from eaglepipe.engines.sglang import SERVER_ARGS_ENV, serve_eagle3
 
+        if a.variant:  # before the engine starts: its processes read the environment
+            a.k, env, args = SGLANG_VARIANTS[a.variant]
+            os.environ.update(env)
+            a.gpu["sglang"] = {**a.gpu["sglang"], **args}
+            os.environ[SERVER_ARGS_ENV] = json.dumps(a.gpu["sglang"])
         res = serve_eagle3(w / "target", w / "export" / "sglang", ids, a.k, a.max_new, batch_sizes=bs,
                            dtype=a.dtype, log_level="warning")
         opts = a.gpu["sglang"]
+        if a.variant:
+            res.update(variant=a.variant, variant_env=SGLANG_VARIANTS[a.variant][1])
     res["outputs_draft"] = [list(o) for o in res["outputs_draft"]]
     res["outputs_plain"] = [list(o) for o in res["outputs_plain"]]
     _write(Path(a.out), f"serve_{a.engine}{a.tag}.json", {"engine": a.engine, "dtype": a.dtype, "engine_options": opts,
@@ -409,6 +427,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128, help="training conversations extracted")
     ap.add_argument("--k", type=int, default=K, help="drafted tokens per step (serve, reference)")
     ap.add_argument("--tag", default="", help="suffix of the serve/reference result file (e.g. _k5_humaneval)")
+    ap.add_argument("--variant", default="", choices=["", *SGLANG_VARIANTS],
+                    help="serve sglang: one of SGLANG_VARIANTS (its k, environment and server args)")
     a = ap.parse_args()
     a.dtype = a.dtype or ("bfloat16" if a.engine == "sglang" else "float32")
     a.gpu = gpu_env()

@@ -7,6 +7,7 @@ the wheels' carries. Four H200 windows in a row lost their machine mid-run, so t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -203,3 +204,26 @@ def test_a_new_pipeline_stops_the_one_still_running(window):
         assert second != first and alive(second)
     finally:  # the second stand-in's session
         subprocess.run(["kill", "-KILL", "--", f"-{(res / 'pipeline.pid').read_text().strip()}"], capture_output=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed (scripts/setup.sh)")
+def test_sglang_variants_name_server_args_and_variables_sglang_has():
+    """h200_engines.py's SGLANG_VARIANTS (suite.sh draft-sglang-variants) are run only on the H200, where a misspelt
+    server argument would cost a window's engine start: each argument is a ServerArgs field and each variable one
+    of SGLang's declared environment variables (the installed SGLang 0.5.23; the H200's 0.5.17 has them too:
+    server_args.py, environ.py), and each variant drafts the k the draft was exported for or more."""
+    from sglang.srt.environ import envs
+    from sglang.srt.server_args import ServerArgs
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from h200_engines import SGLANG_VARIANTS
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    fields = {n for c in ServerArgs.__mro__ for n in getattr(c, "__annotations__", {})}
+    assert {"stream_interval", "attention_backend"} <= fields and "no_such_arg" not in fields
+    for name, (k, env, args) in SGLANG_VARIANTS.items():
+        assert k >= 3, name
+        assert set(args) <= fields, (name, set(args) - fields)
+        assert all(hasattr(envs, v) for v in env), (name, env)
+    assert float(SGLANG_VARIANTS["sim25"][1]["SGLANG_SIMULATE_ACC_LEN"]) == 2.5

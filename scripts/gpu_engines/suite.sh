@@ -19,10 +19,12 @@
 #                       benchmarks/h200/numerics.json. NUMQ (default fp8) picks the quantization; NUMENGINE=sglang
 #                       runs SGLang instead (bf16 only: sgl_kernel's rmsnorm has no fp32 kernel)
 #   suite.sh reference  the reference decoder on the serve steps' prompts (greedy outputs kept)
-#   suite.sh draft-data | draft-train | draft-serve | draft-vllm | draft-sglang | draft-extra | scaling   issue 13:
+#   suite.sh draft-data | draft-train | draft-serve | draft-vllm | draft-sglang | draft-sglang-variants | draft-extra |
+#            scaling   issue 13:
 #                       the GPU profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate
 #                       (vLLM) + gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); vLLM
-#                       alone (k=3, bf16 and fp32); SGLang serving of that export; vLLM at k=5 and on HumanEval;
+#                       alone (k=3, bf16 and fp32); SGLang serving of that export (and its variants: host trims,
+#                       simulated τ 2.5, k=5); vLLM at k=5 and on HumanEval;
 #                       the scaling curve's subsets; draft-simgap: the draft's τ_sim on MT-bench and HumanEval;
 #                       regen-sampling: what per-prompt seeds cost vLLM's generate (benchmarks/regen_sampling.py)
 #   suite.sh gpu-tests  tests/test_gpu.py + test_ttt.py's CUDA cases with vLLM's environment, then the SGLang test
@@ -155,7 +157,7 @@ case ${1:-} in
       serve_eval > "$OUT/draft_serve.log" 2>&1 ||
       timeout 900 bash scripts/gpu_run.sh serve_eval > "$OUT/draft_serve_eager.log" 2>&1; rc=$?
     grep -h "^=== \|Error" "$OUT"/draft_serve*.log | cut -c1-400; exit $rc ;;
-  draft-sglang|draft-extra|draft-vllm)  # issue 13: the draft run's export served by SGLang (k=3); vLLM at k=3 in
+  draft-sglang|draft-sglang-variants|draft-extra|draft-vllm)  # issue 13: the draft run's export served by SGLang (k=3); vLLM at k=3 in
     # each of $VDTYPES (default bfloat16 float32: as trained, and the reference decoder's dtype); vLLM at k=5, HumanEval
     w=/tmp/w13; mkdir -p $w /tmp/w13in; for x in target export drafter; do ln -sfn "$PWD/data/$x" $w/$x; done
     ln -sfn "$PWD/data/prompts" /tmp/w13in/prompts
@@ -168,6 +170,14 @@ case ${1:-} in
        { export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
          timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang_eager.log" 2>&1; }
        grep -h "RESULT\|Error" "$OUT"/draft_sglang*.log | cut -c1-600)
+    elif [ "$1" = draft-sglang-variants ]; then  # each of $SGL_VARIANTS (h200_engines.py's SGLANG_VARIANTS; default
+      # trim sim25: host trims, then SGLang's simulated acceptance length 2.5), CUDA graphs as draft-sglang's first try
+      (venv sglang; export PYTHONPATH="$PWD/scripts/gpu_engines/shims_cudagraph:$PYTHONPATH" SGLANG_ENABLE_JIT_DEEPGEMM=0
+       export EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false, "mem_fraction_static": 0.3}'
+       for v in ${SGL_VARIANTS-trim sim25}; do
+         timeout 420 $D --prompts 80 --variant $v --tag _draft_$v serve sglang > "$OUT/draft_sglang_$v.log" 2>&1
+         grep -h "RESULT\|Error" "$OUT/draft_sglang_$v.log" | cut -c1-600
+       done)
     elif [ "$1" = draft-vllm ]; then
       (venv vllm; export EAGLEPIPE_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}'
        for dt in ${VDTYPES:-bfloat16 float32}; do
