@@ -104,7 +104,8 @@ class TTTAttention:
 
     ``at``, set before a step: the positions (n,) int64, ascending, that the step's queries are at (B = 1), or
     None for all T. Step 0 is always at all T (its keys are every later step's context); a later step may be at
-    a subset of the previous step's positions (:func:`chain_rows`), its diagonal keys picked to match."""
+    a subset of the previous step's positions (:func:`chain_rows`), its diagonal keys picked to match. Padding
+    entries T at the end (:func:`static_rows`) attend as position T-1; their outputs are never scored."""
 
     def __init__(self, doc: torch.Tensor):
         self.mask0 = step0_mask(doc)  # (B, 1, T, T)
@@ -122,7 +123,7 @@ class TTTAttention:
         scale = q.shape[-1] ** -0.5
         k0, v0 = repeat_kv(self.ks[0], n_rep), repeat_kv(self.vs[0], n_rep)  # (B, nh, T, hd)
         s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, n, T)
-        s0 = s0.masked_fill(~(self.mask0 if r is None else self.mask0[:, :, r]), float("-inf"))
+        s0 = s0.masked_fill(~(self.mask0 if r is None else self.mask0[:, :, r.clamp(max=T - 1)]), float("-inf"))
         ks = [_rows_at(ki, ri, r) for ki, ri in zip(self.ks[1:], self.rows[1:])]  # (B, nkv, n, hd) each
         vs = [_rows_at(vi, ri, r) for vi, ri in zip(self.vs[1:], self.rows[1:])]
         diag = [(q * repeat_kv(ki, n_rep)).sum(-1, keepdim=True) * scale for ki in ks]  # (B, nh, n, 1) each
@@ -315,8 +316,9 @@ class SoftCE(torch.autograd.Function):
 
     x (N, H) the normed draft output, W (Vd, H) lm_head, p (M, Vd) soft targets, w (N,) fp32 weights, p_rows
     (N,) int64 or None: x's row i is scored against p[p_rows[i]] (None: p[i], M = N).
-    Only the n rows with w > 0 are multiplied (the rest add nothing to the loss or the gradient; their argmax
-    is returned as 0): on real data the loss reads assistant tokens only (about a third of the CPU defaults'
+    Unless ``dense``, only the n rows with w > 0 are multiplied (the rest add nothing to the loss or the gradient;
+    their argmax is returned as 0); ``dense`` multiplies all N rows, so that no shape depends on the data and
+    nothing waits for the device (a CUDA graph's capture: :func:`static_rows`): on real data the loss reads assistant tokens only (about a third of the CPU defaults'
     positions). The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one
     chunk of logits at a time in fp32, dz is kept in the product dtype (n, Vd), and the two gradient products
     are one GEMM each; backward only scales them. Under autocast the products run in its dtype (as
@@ -324,12 +326,15 @@ class SoftCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, W, p, w, chunk: int, grad: bool, p_rows):
+    def forward(ctx, x, W, p, w, chunk: int, grad: bool, p_rows, dense: bool = False):
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         need_x, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
-        N, idx = x.shape[0], (w > 0).nonzero().squeeze(1)  # (n,) the rows that count
-        x, p, w = x[idx], p[idx if p_rows is None else p_rows[idx]], w[idx]  # (n, H), (n, Vd), (n,)
+        N, idx = x.shape[0], None if dense else (w > 0).nonzero().squeeze(1)  # (n,) the rows that count
+        if dense:
+            p = p if p_rows is None else p.index_select(0, p_rows)  # (N, Vd)
+        else:
+            x, p, w = x[idx], p[idx if p_rows is None else p_rows[idx]], w[idx]  # (n, H), (n, Vd), (n,)
         with torch.autocast(dev, enabled=False):
             xd, Wd = x.to(dt), W.to(dt)  # (n, H), (Vd, H)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -341,18 +346,19 @@ class SoftCE(torch.autograd.Function):
                 loss = loss + ce
                 if dz is not None:
                     dz[a : a + chunk] = g  # (c, Vd)
-            gx = x.new_zeros(N, x.shape[1]).index_copy_(0, idx, (dz @ Wd).to(x.dtype)) if need_x else None  # (N, H)
+            gx = None if not need_x else (dz @ Wd).to(x.dtype) if dense else \
+                x.new_zeros(N, x.shape[1]).index_copy_(0, idx, (dz @ Wd).to(x.dtype))  # (N, H)
             gW = (dz.T @ xd).float() if need_w else None  # (Vd, H)
         ctx.save_for_backward(gx, gW)
         ctx.w_dtype = W.dtype
         ctx.mark_non_differentiable(arg)
-        return loss, arg.new_zeros(N).index_copy_(0, idx, arg)  # (N,)
+        return loss, arg if dense else arg.new_zeros(N).index_copy_(0, idx, arg)  # (N,)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_arg):
         gx, gW = ctx.saved_tensors
         return (None if gx is None else gx * grad_loss.to(gx.dtype),
-                None if gW is None else (gW * grad_loss).to(ctx.w_dtype), None, None, None, None, None)
+                None if gW is None else (gW * grad_loss).to(ctx.w_dtype), None, None, None, None, None, None)
 
 
 def _soft_ce_chunk_impl(z: torch.Tensor, p: torch.Tensor, w: torch.Tensor, grad: bool):
@@ -378,13 +384,13 @@ def _soft_ce_chunk(z, p, w, grad: bool):
 
 
 def soft_ce(x: torch.Tensor, W: torch.Tensor, p: torch.Tensor, w: torch.Tensor, chunk: int | None = None,
-            p_rows: torch.Tensor | None = None):
+            p_rows: torch.Tensor | None = None, dense: bool = False):
     """See :class:`SoftCE`; x (..., H), p (..., Vd), w (...), p_rows None or (...) int64 rows of p flattened to
     (-1, Vd) (None: p has x's shape) → (Σ w·ce scalar fp32, argmax (...))."""
     lead = x.shape[:-1]
     chunk = chunk or max(256, (1 << 25) // W.shape[0])  # ~32M logits (128 MB fp32) per chunk
     loss, arg = SoftCE.apply(x.reshape(-1, x.shape[-1]), W, p.reshape(-1, p.shape[-1]), w.reshape(-1).float(),
-                             chunk, torch.is_grad_enabled(), None if p_rows is None else p_rows.reshape(-1))
+                             chunk, torch.is_grad_enabled(), None if p_rows is None else p_rows.reshape(-1), dense)
     return loss, arg.view(lead)
 
 
@@ -517,17 +523,38 @@ def flex_rows(rows: list[torch.Tensor | None], T: int) -> list[torch.Tensor | No
     seen by padding only, their outputs are never scored)."""
     if len(rows) < 2:
         return rows
-    g = BLOCK * -(-T // (BLOCK * BUCKETS))  # bucket width, a multiple of BLOCK, ≤ T
-    N = min(T, max(g, -(-rows[1].numel() // g) * g))
+    N = bucket_length(rows[1].numel(), T)
     return [None] + [torch.cat([r, r.new_full((N - r.numel(),), T)]) for r in rows[1:]]
 
 
+def bucket_length(n: int, T: int) -> int:
+    """n rows of a row of T positions → the padded length :func:`flex_rows` gives them: n rounded up to a multiple
+    of T/BUCKETS in BLOCKs (at least one such multiple, at most T)."""
+    g = BLOCK * -(-T // (BLOCK * BUCKETS))  # bucket width, a multiple of BLOCK, ≤ T
+    return min(T, max(g, -(-n // g) * g))
+
+
+def static_rows(batch: Batch, soft: SoftTargets, steps: int) -> list[torch.Tensor]:
+    """The rows of a one-row batch (B = 1, T positions) that :func:`ttt_unroll_fast` given ``rows`` computes without
+    waiting for the device: [step 0's scored positions (its ``trained`` ones), then :func:`flex_rows`' later steps],
+    each (N_i,) int64 ascending, padded with T to :func:`bucket_length` (step 0's length and the later steps' one
+    length are each one of ≤ BUCKETS sizes, so a CUDA graph per pair covers a run). Computed here, before a
+    graph's replay: it reads the masks back from the device (``nonzero``). Raises ValueError when B != 1."""
+    if batch.input_ids.shape[0] != 1:
+        raise ValueError(f"static_rows: one packed row (B = 1), got B = {batch.input_ids.shape[0]}")
+    T = batch.input_ids.shape[1]
+    trained = [counted_trained(batch, soft, j)[1] for j in range(steps)]  # (1, T) bool each
+    r0 = trained[0][0].nonzero().squeeze(1)
+    return [torch.cat([r0, r0.new_full((bucket_length(r0.numel(), T) - r0.numel(),), T)]),
+            *flex_rows(chain_rows(trained), T)[1:]]
+
+
 def _step_ce(draft: Eagle3Draft, out: torch.Tensor, soft: SoftTargets, tr: torch.Tensor, n: int,
-             at: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+             at: torch.Tensor | None, dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Step j's (n = 1+j) Σ w·ce (scalar fp32) and hits (int64: trained positions where the draft's argmax is the
     target's), from its pre-norm output ``out`` (B, ·, H) at positions ``at`` (None: 0, 1, …; else (N,), B = 1,
     padding ≥ T) and its trained mask tr (B, T). p_{t+1+j} is read through a slice or row indices of soft.p,
-    never a shifted copy."""
+    never a shifted copy. ``dense``: :class:`SoftCE`'s (every row of ``out`` multiplied; with ``at`` only)."""
     T, W = tr.shape[1], draft.lm_head.weight
     if at is None:
         m = T - n  # positions t < m have a successor x_{t+1+j} in the row
@@ -537,33 +564,45 @@ def _step_ce(draft: Eagle3Draft, out: torch.Tensor, soft: SoftTargets, tr: torch
         return ce, (tr[:, :m] & (arg == soft.top[:, n:])).sum()
     s = (at + n).clamp(max=T - 1)  # (N,) row of p_{t+1+j} (inside the row wherever t is trained)
     w = tr[:, at.clamp(max=T - 1)]  # (1, N): padding reads position T-1, never trained (nothing follows it)
-    ce, arg = soft_ce(draft.norm(out), W, soft.p, w, p_rows=s[None])  # (), (1, N)
+    ce, arg = soft_ce(draft.norm(out), W, soft.p, w, p_rows=s[None], dense=dense)  # (), (1, N)
     return ce, (w & (arg == soft.top[:, s])).sum()
 
 
 def ttt_unroll_fast(
-    draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float
+    draft: Eagle3Draft, embed: torch.Tensor, batch: Batch, soft: SoftTargets, steps: int, decay: float,
+    rows: list[torch.Tensor] | None = None,
 ) -> TTTResult:
     """:func:`ttt_unroll` computed faster, same results. On CUDA (head_dim >= 16: :func:`uses_flex`) the row is padded
     to a multiple of BLOCK (padding is a sample of its own, never counted) and attention runs through
     :class:`FlexTTTAttention`. With one row (B = 1), steps ≥ 1 run only at :func:`chain_rows`, on the flex path
     padded to one of few lengths (:func:`flex_rows`); on CUDA without flex every position (the compiled plain
     attention takes no padding, and exact counts would recompile it per row). Positions t ≥ T-1-j are never
-    counted at step j (nothing follows them in the row), so they are not scored."""
+    counted at step j (nothing follows them in the row), so they are not scored.
+
+    ``rows``: :func:`static_rows` of this batch (B = 1, T a multiple of BLOCK where flex runs: :func:`pad_batch`).
+    Then no shape depends on the data and no op waits for the device, so the step can be captured as a CUDA
+    graph (:mod:`eaglepipe.graphed`): step 0 is scored at rows[0] (every row multiplied, padding included), later
+    steps run at rows[1:]. Same results. Raises ValueError when the row would need padding here."""
     B, T = batch.input_ids.shape
     dev = batch.input_ids.device
     flex = uses_flex(draft.cfg.head_dim, dev)
     Tp = -(-T // BLOCK) * BLOCK if flex else T
+    if rows is not None and Tp != T:
+        raise ValueError(f"ttt_unroll_fast with rows: the row must be padded to a multiple of {BLOCK} (pad_batch)")
     aux = batch.aux if torch.is_autocast_enabled(dev.type) else batch.aux.to(embed.dtype)  # no fp32 copy
     hidden = pad_to(draft.project(aux), Tp, 0.0)  # (B, Tp, H) step-0 hidden: fc(g_t)
     ids, positions = pad_to(batch.input_ids, Tp, 0), pad_to(batch.positions, Tp, 0)  # (B, Tp)
     doc = pad_to(batch.doc, Tp, -1 if T == Tp else int(batch.doc.max()) + 1)  # (B, Tp)
     att = FlexTTTAttention(doc, draft.mask_buffers) if flex else TTTAttention(doc)
     masks = [counted_trained(batch, soft, j) for j in range(steps)]  # (B, T) counted, trained per step
-    rows = [None] * steps
-    if B == 1 and (flex or dev.type != "cuda"):
+    static, score0 = rows is not None, None
+    if static:
+        score0, rows = rows[0], [None, *rows[1:]]
+    elif B == 1 and (flex or dev.type != "cuda"):
         rows = chain_rows([tr for _, tr in masks])
         rows = flex_rows(rows, Tp) if flex else rows
+    else:
+        rows = [None] * steps
     loss = hidden.new_zeros((), dtype=torch.float32)
     step_loss, correct, counted, trained = [], [], [], []
     for j, at in enumerate(rows):
@@ -574,7 +613,10 @@ def ttt_unroll_fast(
         att.at = at
         out = draft.layer(emb, hidden, (positions + j)[:, g], att.attend)  # (B, N, H) pre-norm
         c, tr = masks[j]
-        ce, hits = _step_ce(draft, out, soft, tr, n, at)
+        if score0 is not None and j == 0:  # step 0 scored at its trained rows only (static: a fixed count)
+            ce, hits = _step_ce(draft, out.index_select(1, score0.clamp(max=Tp - 1)), soft, tr, n, score0, dense=True)
+        else:
+            ce, hits = _step_ce(draft, out, soft, tr, n, at, dense=static)
         w = tr.sum()
         loss_j = ce / w.clamp(min=1).float()
         loss = loss + decay**j * loss_j

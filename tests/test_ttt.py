@@ -567,3 +567,102 @@ def test_compacted_flex_attention_equals_ttt_attention(lens, monkeypatch):
         torch.testing.assert_close(kern[:, :, :n], want, rtol=1e-4, atol=1e-5)
         n_full += int(bm.full_kv_num_blocks.sum()) if j else 0
     assert n_full > 0 and len(rows[1]) < T // 2  # compacted steps use full blocks too
+
+
+class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that make the host wait for a CUDA device (an output whose shape or value the host must
+    read: nonzero, .item(), boolean indexing, ...), run here on the CPU: none may run inside a CUDA graph's capture.
+    flex_attention itself runs unseen (:meth:`unseen`): on CUDA it is one compiled kernel, not the CPU's eager ops."""
+
+    OPS = {"nonzero", "_local_scalar_dense", "masked_select", "unique_dim", "_unique2", "unique_consecutive",
+           "repeat_interleave", "masked_scatter", "equal", "is_nonzero", "bincount", "argwhere"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        masks = name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if name in self.OPS or masks:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def unseen(fn):
+        """fn run with the dispatch modes off (eager flex_attention on the CPU compiles, which no mode may watch)."""
+        def run(*args, **kwargs):
+            with torch.utils._python_dispatch._disable_current_modes():
+                return fn(*args, **kwargs)
+        return run
+
+
+def _padded_case(T: int, Tp: int):
+    """_packed_case(T) prompt-reply, and the same padded to Tp (pad_batch; soft targets padded to match)."""
+    from eaglepipe.ttt import pad_batch
+
+    b, soft = _packed_case(T)
+    b = _prompt_reply(b)
+    pad = Tp - T
+    psoft = SoftTargets(p=torch.cat([soft.p, torch.full((1, pad, 8), 1 / 8)], 1),
+                        top=torch.cat([soft.top, torch.zeros(1, pad, dtype=torch.long)], 1),
+                        top_in_vocab=torch.cat([soft.top_in_vocab, torch.zeros(1, pad, dtype=torch.bool)], 1))
+    return b, soft, pad_batch(b, Tp), psoft
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_static_rows_give_the_plain_results_and_the_host_never_waits(draft, steps):
+    """ttt_unroll_fast given static_rows (what eaglepipe.graphed captures): the plain path's loss, counts and
+    gradients, with no op that reads a device value back (HostSyncs), forward and backward; the step without
+    them does read back (the detector sees its nonzero)."""
+    from eaglepipe.ttt import bucket_length, static_rows, ttt_unroll_fast
+
+    embed = torch.randn(99, 32)
+    b, soft, _, _ = _padded_case(700, 700)
+    rows = static_rows(b, soft, steps)
+    trained0 = align_step(b, soft, 0).trained[0].nonzero().squeeze(1)
+    assert len(rows) == steps and len(rows[0]) == bucket_length(len(trained0), 700) > len(trained0)
+    assert torch.equal(rows[0][: len(trained0)], trained0) and rows[0][len(trained0):].eq(700).all()
+    results, grads = [], []
+    for static in (False, True):
+        draft.zero_grad(set_to_none=True)
+        with HostSyncs() as syncs:
+            r = ttt_unroll_fast(draft, embed, b, soft, steps, 0.8, rows=rows) if static else \
+                ttt_unroll(draft, embed, b, soft, steps=steps, decay=0.8)
+            r.loss.backward()
+        assert (syncs.seen == []) == static, syncs.seen
+        results.append(r)
+        grads.append({k: v.grad.clone() for k, v in draft.named_parameters()})
+    plain, static = results
+    torch.testing.assert_close(static.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(static.step_loss, plain.step_loss, rtol=1e-5, atol=1e-6)
+    for f in ("correct", "counted", "trained"):
+        assert getattr(static, f).tolist() == getattr(plain, f).tolist(), f
+    assert plain.trained[-1] > 0
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_static_rows_on_the_flex_path_give_the_plain_results_and_the_host_never_waits(draft, monkeypatch):
+    """The same as it runs on CUDA (flex attention, the row padded to BLOCK), forced on the CPU: eager
+    flex_attention, forward only (no CPU backward); the block masks are built from the rows without a read-back."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from eaglepipe import ttt
+
+    monkeypatch.setattr(ttt, "uses_flex", lambda head_dim, device: True)
+    flex = ttt.flex_attention_fn()
+    monkeypatch.setattr(ttt, "flex_attention_fn", lambda: HostSyncs.unseen(flex))
+    embed = torch.randn(99, 32)
+    b, soft, pb, psoft = _padded_case(700, 768)
+    rows = ttt.static_rows(pb, psoft, 3)
+    with torch.no_grad():
+        with HostSyncs() as syncs:
+            static = ttt.ttt_unroll_fast(draft, embed, pb, psoft, 3, 0.8, rows=rows)
+        plain = ttt_unroll(draft, embed, b, soft, steps=3, decay=0.8)
+    assert syncs.seen == []
+    torch.testing.assert_close(static.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    for f in ("correct", "counted", "trained"):
+        assert getattr(static, f).tolist() == getattr(plain, f).tolist(), f
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ttt.ttt_unroll_fast(draft, embed, b, soft, 3, 0.8, rows=ttt.static_rows(b, soft, 3))
