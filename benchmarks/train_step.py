@@ -20,6 +20,11 @@ Implementations (``impl`` in the JSON):
   (``ttt.fixed_address``): 0.40× of ``eaglepipe-fast`` in one run, two other inputs still moving
   (``h200/cudagraph_rerecord_window19.json``); the block tables are now fixed too, not yet run there. Give these
   rows ``--warmup`` ≥ 2: a graph's first call runs it, the second records it.
+- ``eaglepipe-graph`` / ``eaglepipe-graph-frozen``: ``eaglepipe-fast`` / ``-frozen`` with the whole step (the
+  unroll given ttt.static_rows, its backward, clipping, AdamW with ``capturable=True``) replayed as one CUDA graph
+  (eaglepipe.graphed.GraphedStep), the soft targets inside it (at every position); static_rows runs eagerly before
+  each replay. Written without
+  a GPU (2026-12-04); not yet run on the H200.
 - ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
   on the H200).
 - ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,
@@ -63,7 +68,9 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eaglepipe.target_head import TargetHead, soft_targets  # noqa: E402
-from eaglepipe.ttt import Batch, TTTUnroll, chain_rows, compile_draft, counted_trained, ttt_unroll_fast  # noqa: E402
+from eaglepipe.graphed import GraphedStep  # noqa: E402
+from eaglepipe.ttt import Batch, TTTUnroll, chain_rows, compile_draft, counted_trained, static_rows  # noqa: E402
+from eaglepipe.ttt import ttt_unroll_fast  # noqa: E402
 
 
 @dataclass
@@ -225,6 +232,35 @@ def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32
     return step, not frozen, x["embed"].numel() * x["embed"].element_size()  # the shared embeddings it holds
 
 
+def eaglepipe_graph_impl(s: Shape, x: dict, ttt: int, frozen: bool = False):
+    """``eaglepipe-fast`` (tf32 teacher) with the whole step replayed as a CUDA graph (:class:`GraphedStep`)."""
+    draft = seeded_draft(s, x)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(x["lm_head"][x["t2d"]])
+    draft.lm_head.weight.requires_grad_(not frozen)
+    head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False).draft_rows(x["t2d"])
+    compile_draft(draft)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True, capturable=True)
+    batch = Batch(x["input_ids"], x["positions"], x["doc"], x["loss_mask"], x["aux"], x["last"], x["top_in_vocab"])
+
+    def body(b: Batch, rows):  # inside the graph: soft targets at every position (``need`` would read back)
+        soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab, precision="tf32")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            r = ttt_unroll_fast(draft, head.embed, b, soft, ttt, 0.8, rows=rows)
+        r.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        return r
+
+    graphed = GraphedStep(body, params, opt)
+
+    def step():
+        return graphed(batch, static_rows(batch, batch.top_in_vocab, ttt)).loss.detach()
+
+    return step, not frozen, x["embed"].numel() * x["embed"].element_size()
+
+
 # ---------------------------------------------------------------- speculators 0.9.0
 
 
@@ -330,6 +366,8 @@ IMPLS = {
     "eaglepipe-fast-cg": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", cudagraphs=True),
     "eaglepipe-fast-frozen-cg": lambda s, x, t: eaglepipe_impl(s, x, t, fast=True, teacher="tf32", frozen=True,
                                                                cudagraphs=True),
+    "eaglepipe-graph": lambda s, x, t: eaglepipe_graph_impl(s, x, t),
+    "eaglepipe-graph-frozen": lambda s, x, t: eaglepipe_graph_impl(s, x, t, frozen=True),
     "speculators": lambda s, x, t: speculators_impl(s, x, t),
     "speculators-lmhead": lambda s, x, t: speculators_impl(s, x, t, train_lm_head=True),
 }

@@ -53,6 +53,7 @@ out-of-vocabulary top-1 counts as a miss). τ_sim = 1 + Σ_k Π_{i≤k} acc_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -534,15 +535,17 @@ def bucket_length(n: int, T: int) -> int:
     return min(T, max(g, -(-n // g) * g))
 
 
-def static_rows(batch: Batch, soft: SoftTargets, steps: int) -> list[torch.Tensor]:
+def static_rows(batch: Batch, top_in_vocab: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """The rows of a one-row batch (B = 1, T positions) that :func:`ttt_unroll_fast` given ``rows`` computes without
     waiting for the device: [step 0's scored positions (its ``trained`` ones), then :func:`flex_rows`' later steps],
     each (N_i,) int64 ascending, padded with T to :func:`bucket_length` (step 0's length and the later steps' one
     length are each one of ≤ BUCKETS sizes, so a CUDA graph per pair covers a run). Computed here, before a
-    graph's replay: it reads the masks back from the device (``nonzero``). Raises ValueError when B != 1."""
+    graph's replay: it reads the masks back from the device (``nonzero``). top_in_vocab: (1, T) bool, the soft
+    targets' (what :func:`counted_trained` reads of them). Raises ValueError when B != 1."""
     if batch.input_ids.shape[0] != 1:
         raise ValueError(f"static_rows: one packed row (B = 1), got B = {batch.input_ids.shape[0]}")
     T = batch.input_ids.shape[1]
+    soft = SimpleNamespace(top_in_vocab=top_in_vocab)
     trained = [counted_trained(batch, soft, j)[1] for j in range(steps)]  # (1, T) bool each
     r0 = trained[0][0].nonzero().squeeze(1)
     return [torch.cat([r0, r0.new_full((bucket_length(r0.numel(), T) - r0.numel(),), T)]),

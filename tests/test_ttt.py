@@ -620,7 +620,7 @@ def test_static_rows_give_the_plain_results_and_the_host_never_waits(draft, step
 
     embed = torch.randn(99, 32)
     b, soft, _, _ = _padded_case(700, 700)
-    rows = static_rows(b, soft, steps)
+    rows = static_rows(b, soft.top_in_vocab, steps)
     trained0 = align_step(b, soft, 0).trained[0].nonzero().squeeze(1)
     assert len(rows) == steps and len(rows[0]) == bucket_length(len(trained0), 700) > len(trained0)
     assert torch.equal(rows[0][: len(trained0)], trained0) and rows[0][len(trained0):].eq(700).all()
@@ -655,7 +655,7 @@ def test_static_rows_on_the_flex_path_give_the_plain_results_and_the_host_never_
     monkeypatch.setattr(ttt, "flex_attention_fn", lambda: HostSyncs.unseen(flex))
     embed = torch.randn(99, 32)
     b, soft, pb, psoft = _padded_case(700, 768)
-    rows = ttt.static_rows(pb, psoft, 3)
+    rows = ttt.static_rows(pb, psoft.top_in_vocab, 3)
     with torch.no_grad():
         with HostSyncs() as syncs:
             static = ttt.ttt_unroll_fast(draft, embed, pb, psoft, 3, 0.8, rows=rows)
@@ -665,4 +665,4 @@ def test_static_rows_on_the_flex_path_give_the_plain_results_and_the_host_never_
     for f in ("correct", "counted", "trained"):
         assert getattr(static, f).tolist() == getattr(plain, f).tolist(), f
     with pytest.raises(ValueError, match="multiple of 128"):
-        ttt.ttt_unroll_fast(draft, embed, b, soft, 3, 0.8, rows=ttt.static_rows(b, soft, 3))
+        ttt.ttt_unroll_fast(draft, embed, b, soft, 3, 0.8, rows=ttt.static_rows(b, soft.top_in_vocab, 3))

@@ -1,0 +1,73 @@
+"""eaglepipe.graphed: the whole training step replayed as a CUDA graph gives the eager fast step's losses and
+weights, call for call, across two row shapes (two graphs). CUDA only: skipped elsewhere with the reason. The
+step it captures (ttt_unroll_fast given static_rows) is tested on the CPU in tests/test_ttt.py."""
+
+import copy
+
+import pytest
+import torch
+
+from test_ttt import _padded_case, draft  # noqa: F401  (draft: the fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs exist only there")
+
+
+def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
+    """Five calls over two row shapes (graphs captured at calls 1 and 3, each after its warm-up, which the
+    restore undoes): each call's loss and counts equal an eager fast step's, and the weights after all five."""
+    from eaglepipe.graphed import GraphedStep
+    from eaglepipe.target_head import SoftTargets
+    from eaglepipe.ttt import compile_draft, static_rows, ttt_unroll_fast
+
+    embed = torch.randn(99, 32, device="cuda")
+    cases = []
+    for later_reply in (False, True):  # two prompt shares: two later-step lengths, two graphs
+        _, _, pb, psoft = _padded_case(700, 768)
+        if later_reply:
+            pb.loss_mask[:, :400] = False
+        cases.append((pb.to("cuda"), SoftTargets(psoft.p.cuda(), psoft.top.cuda(), psoft.top_in_vocab.cuda())))
+    assert len({tuple(len(r) for r in static_rows(b, s.top_in_vocab, 3)) for b, s in cases}) == 2
+    eager, graphed = draft.cuda(), copy.deepcopy(draft).cuda()
+    for d in (eager, graphed):
+        compile_draft(d)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
+    params = list(graphed.parameters())
+    opt_g = torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
+    soft = SoftTargets(*(t.clone() for t in (cases[0][1].p, cases[0][1].top, cases[0][1].top_in_vocab)))
+
+    def body(b, rows):  # the soft targets are an input buffer here (the benchmark computes them in the graph)
+        r = ttt_unroll_fast(graphed, embed, b, soft, 3, 0.8, rows=rows)
+        r.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt_g.step()
+        return r
+
+    step = GraphedStep(body, params, opt_g)
+    for i in (0, 0, 1, 0, 1):
+        b, s = cases[i]
+        opt_e.zero_grad(set_to_none=True)
+        want = ttt_unroll_fast(eager, embed, b, s, 3, 0.8)
+        want.loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(eager.parameters()), 0.5)
+        opt_e.step()
+        for dst, src in ((soft.p, s.p), (soft.top, s.top), (soft.top_in_vocab, s.top_in_vocab)):
+            dst.copy_(src)
+        got = step(b, static_rows(b, s.top_in_vocab, 3))
+        torch.testing.assert_close(got.loss, want.loss.detach(), rtol=1e-4, atol=1e-5)
+        for f in ("correct", "counted", "trained"):
+            assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
+    assert len(step.graphs) == 2
+    for (k, pe), pg in zip(eager.named_parameters(), params):
+        torch.testing.assert_close(pg, pe, rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_graphed_step_refuses_a_batch_of_another_shape(draft):  # noqa: F811
+    from eaglepipe.graphed import GraphedStep
+
+    params = list(draft.cuda().parameters())
+    step = GraphedStep(lambda b, rows: None, params, torch.optim.AdamW(params, capturable=True))
+    _, _, pb, _ = _padded_case(700, 768)
+    step.batch = pb.to("cuda")
+    _, _, other, _ = _padded_case(700, 896)
+    with pytest.raises(ValueError, match="one shape"):
+        step(other.to("cuda"), [])
