@@ -246,7 +246,7 @@ def eaglepipe_graph_impl(s: Shape, x: dict, ttt: int, frozen: bool = False):
 
     def body(b: Batch, rows):  # inside the graph: soft targets at every position (``need`` would read back)
         soft = soft_targets(head, b.last, draft.t2d, b.top_in_vocab, precision="tf32")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # as make_graphed_callables asks
             r = ttt_unroll_fast(draft, head.embed, b, soft, ttt, 0.8, rows=rows)
         r.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

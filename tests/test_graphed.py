@@ -9,9 +9,46 @@ import torch
 
 from test_ttt import _padded_case, draft  # noqa: F401  (draft: the fixture)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs exist only there")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs exist only there")
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_warm_up_is_undone_so_a_capturing_call_is_one_step(fused):
+    """GraphedStep's warm-up runs real optimizer steps; _snapshot/_restore put the weights and AdamW's state back
+    (state created meanwhile zeroed, its initial value), so one more step lands where one step from the start
+    does (CPU: the AdamW here is the same update as the capturable one on CUDA)."""
+    from eaglepipe.graphed import _restore, _snapshot
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    x = torch.randn(7, 5)
+
+    def step(opt):
+        opt.zero_grad(set_to_none=True)
+        (x @ w).square().sum().backward()
+        opt.step()
+
+    ref = torch.nn.Parameter(w.detach().clone())  # one step from the start
+    opt_ref = torch.optim.AdamW([ref], lr=0.1, fused=fused)
+    (x @ ref).square().sum().backward()
+    opt_ref.step()
+
+    opt = torch.optim.AdamW([w], lr=0.1, fused=fused)
+    for rounds in range(2):  # the first warm-up creates the state, the second finds it
+        saved = _snapshot([w], opt)
+        for _ in range(3):
+            step(opt)
+        assert not torch.equal(w, saved["params"][0])
+        _restore(saved, [w], opt)
+        torch.testing.assert_close(w.detach(), saved["params"][0], rtol=0, atol=0)
+        if rounds == 0:
+            assert all(v.eq(0).all() for v in opt.state[w].values())
+            step(opt)
+            torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(opt.state[w]["exp_avg"], opt_ref.state[ref]["exp_avg"], rtol=0, atol=0)
+
+
+@CUDA
 def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
     """Five calls over two row shapes (graphs captured at calls 1 and 3, each after its warm-up, which the
     restore undoes): each call's loss and counts equal an eager fast step's, and the weights after all five."""
@@ -61,6 +98,7 @@ def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
         torch.testing.assert_close(pg, pe, rtol=1e-3, atol=1e-5, msg=k)
 
 
+@CUDA
 def test_graphed_step_refuses_a_batch_of_another_shape(draft):  # noqa: F811
     from eaglepipe.graphed import GraphedStep
 
