@@ -204,7 +204,7 @@ case ${1:-} in
   gpu-tests)  # tests/test_gpu.py (+ test_ttt.py, test_online.py: their CUDA cases) under each engine's environment
     # (CI skips them); GPU_TESTS names the environments (default "vllm sglang"; "sglang": its one test, ~1 min)
     for e in ${GPU_TESTS:-vllm sglang}; do case $e in
-      vllm) (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py \
+      vllm) (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py tests/test_graphed.py \
                tests/test_online.py::test_rows_captured_on_a_side_stream_equal_the_serial_ones > "$OUT/gpu_tests_vllm.log" 2>&1
              tail -4 "$OUT/gpu_tests_vllm.log") ;;
       sglang) (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
