@@ -46,9 +46,13 @@ class GraphedStep:
     a side stream (compiling what is compiled, creating the optimizer's state), puts ``params`` and the
     optimizer's state back as they were (state created meanwhile zeroed: Adam's and AdamW's initial values,
     torch/optim/adam.py ``_init_group``), captures, then replays once, so every call is one step.
-    Returns the captured :class:`TTTResult`, whose tensors the next call overwrites (clone what you keep).
-    Graphs share one memory pool (only their temporaries and gradients live there). Raises ValueError when
-    ``batch`` changes shape or dtype between calls, RuntimeError off CUDA.
+    Returns the captured :class:`TTTResult` (loss detached), whose tensors the next call overwrites (clone what
+    you keep). Graphs share one memory pool (only their temporaries and gradients live there; ``p.grad`` after a
+    call is the last-captured graph's, not necessarily this call's). Values the step reads as Python numbers
+    are frozen at capture: a learning-rate schedule needs the optimizer's ``lr`` as a CUDA tensor, updated in
+    place. A recompile of a torch.compile'd part during the capture raises (``error_on_recompile``) instead of
+    compiling inside it. Raises ValueError when ``batch`` is not on CUDA or changes shape or dtype between
+    calls, RuntimeError off CUDA.
     """
 
     def __init__(self, step_fn: Callable[[Batch, list[torch.Tensor]], TTTResult],
@@ -62,6 +66,8 @@ class GraphedStep:
 
     def __call__(self, batch: Batch, rows: list[torch.Tensor]) -> TTTResult:
         if self.batch is None:
+            if not batch.input_ids.is_cuda:
+                raise ValueError("GraphedStep: the batch must be on CUDA")
             self.batch = _clone(batch)
         elif not _same_layout(batch, self.batch):
             raise ValueError("GraphedStep: the batch must keep one shape and dtype (pad_batch)")
@@ -88,10 +94,10 @@ class GraphedStep:
         _restore(saved, self.params, self.opt)
         self.opt.zero_grad(set_to_none=True)  # the captured backward allocates the grads: written, not accumulated
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(graph, pool=self.pool):
             out = self.fn(self.batch, rows)
         self.pool = self.pool or graph.pool()
-        return graph, rows, out
+        return graph, rows, dataclasses.replace(out, loss=out.loss.detach())
 
 
 def _clone(x):

@@ -3,6 +3,7 @@ weights, call for call, across two row shapes (two graphs). CUDA only: skipped e
 step it captures (ttt_unroll_fast given static_rows) is tested on the CPU in tests/test_ttt.py."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -50,20 +51,28 @@ def test_the_warm_up_is_undone_so_a_capturing_call_is_one_step(fused):
 
 @CUDA
 def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
-    """Five calls over two row shapes (graphs captured at calls 1 and 3, each after its warm-up, which the
-    restore undoes): each call's loss and counts equal an eager fast step's, and the weights after all five."""
+    """Six calls over two row shapes (graphs captured at calls 1 and 3, each after its warm-up, which the restore
+    undoes), the first graph also replayed on other data of its shape (ids, features, soft targets): each call's
+    loss and counts equal an eager fast step's, and the weights after all six."""
     from eaglepipe.graphed import GraphedStep
     from eaglepipe.target_head import SoftTargets
     from eaglepipe.ttt import compile_draft, static_rows, ttt_unroll_fast
 
     embed = torch.randn(99, 32, device="cuda")
     cases = []
-    for later_reply in (False, True):  # two prompt shares: two later-step lengths, two graphs
+    for later_reply in (False, True):  # two prompt shares: rows (256, 256, 256) and (128, 128, 128), two graphs
         _, _, pb, psoft = _padded_case(700, 768)
         if later_reply:
-            pb.loss_mask[:, :400] = False
+            pb.loss_mask[:, :600] = False
         cases.append((pb.to("cuda"), SoftTargets(psoft.p.cuda(), psoft.top.cuda(), psoft.top_in_vocab.cuda())))
-    assert len({tuple(len(r) for r in static_rows(b, s.top_in_vocab, 3)) for b, s in cases}) == 2
+    b0, s0 = cases[0]  # the first shape again, other values: the graph must read its inputs, not replay its capture
+    g = torch.Generator(device="cuda").manual_seed(1)
+    p = torch.softmax(3 * torch.randn(s0.p.shape, generator=g, device="cuda"), -1)
+    cases.append((dataclasses.replace(b0, input_ids=torch.randint(0, 99, b0.input_ids.shape, generator=g, device="cuda"),
+                                      aux=torch.randn(b0.aux.shape, generator=g, device="cuda")),
+                  SoftTargets(p, p.argmax(-1), s0.top_in_vocab)))
+    keys = [tuple(len(r) for r in static_rows(b, s.top_in_vocab, 3)) for b, s in cases]
+    assert keys[0] == keys[2] != keys[1]
     eager, graphed = draft.cuda(), copy.deepcopy(draft).cuda()
     for d in (eager, graphed):
         compile_draft(d)
@@ -80,7 +89,7 @@ def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
         return r
 
     step = GraphedStep(body, params, opt_g)
-    for i in (0, 0, 1, 0, 1):
+    for i in (0, 0, 1, 2, 0, 1):
         b, s = cases[i]
         opt_e.zero_grad(set_to_none=True)
         want = ttt_unroll_fast(eager, embed, b, s, 3, 0.8)
