@@ -318,11 +318,11 @@ class SoftCE(torch.autograd.Function):
     x (N, H) the normed draft output, W (Vd, H) lm_head, p (M, Vd) soft targets, w (N,) fp32 weights, p_rows
     (N,) int64 or None: x's row i is scored against p[p_rows[i]] (None: p[i], M = N).
     Unless ``dense``, only the n rows with w > 0 are multiplied (the rest add nothing to the loss or the gradient;
-    their argmax is returned as 0); ``dense`` multiplies all N rows, so that no shape depends on the data and
-    nothing waits for the device (a CUDA graph's capture: :func:`static_rows`): on real data the loss reads assistant tokens only (about a third of the CPU defaults'
-    positions). The gradient is computed with the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one
-    chunk of logits at a time in fp32, dz is kept in the product dtype (n, Vd), and the two gradient products
-    are one GEMM each; backward only scales them. Under autocast the products run in its dtype (as
+    their argmax is returned as 0): on real data the loss reads assistant tokens only (about a third of the CPU
+    defaults' positions). ``dense`` multiplies all N rows (n = N), so that no shape depends on the data and
+    nothing waits for the device (a CUDA graph's capture: :func:`static_rows`). The gradient is computed with
+    the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one chunk of logits at a time in fp32, dz is kept
+    in the product dtype (n, Vd), and the two gradient products are one GEMM each; backward only scales them. Under autocast the products run in its dtype (as
     ``nn.Linear`` would).
     """
 
