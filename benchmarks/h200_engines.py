@@ -142,7 +142,7 @@ def serve(a) -> None:
                            dtype=a.dtype, log_level="warning")
         opts = a.gpu["sglang"]
         if a.variant:
-            res.update(variant=a.variant, variant_env=SGLANG_VARIANTS[a.variant][1])
+            res.update(variant=a.variant, variant_env=env)
     res["outputs_draft"] = [list(o) for o in res["outputs_draft"]]
     res["outputs_plain"] = [list(o) for o in res["outputs_plain"]]
     _write(Path(a.out), f"serve_{a.engine}{a.tag}.json", {"engine": a.engine, "dtype": a.dtype, "engine_options": opts,

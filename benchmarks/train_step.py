@@ -23,8 +23,7 @@ Implementations (``impl`` in the JSON):
 - ``eaglepipe-graph`` / ``eaglepipe-graph-frozen``: ``eaglepipe-fast`` / ``-frozen`` with the whole step (the
   unroll given ttt.static_rows, its backward, clipping, AdamW with ``capturable=True``) replayed as one CUDA graph
   (eaglepipe.graphed.GraphedStep), the soft targets inside it (at every position); static_rows runs eagerly before
-  each replay. Written without
-  a GPU (2026-12-04); not yet run on the H200.
+  each replay. Written without a GPU (2026-12-04); not yet run on the H200.
 - ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
   on the H200).
 - ``speculators`` / ``speculators-lmhead``: speculators 0.9.0's Eagle3DraftModel.forward (its compiled forward,
@@ -200,13 +199,19 @@ def seeded_draft(s: Shape, x: dict) -> Eagle3Draft:
     return draft.cuda()
 
 
-def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32", frozen: bool = False,
-                   whole_unroll: bool = False, cudagraphs: bool = False):
+def draft_and_head(s: Shape, x: dict, frozen: bool) -> tuple[Eagle3Draft, TargetHead]:
+    """:func:`seeded_draft` with lm_head from the target's draft rows (trained unless ``frozen``) and the target
+    head cut to the draft rows, as train.py sets them up."""
     draft = seeded_draft(s, x)
     with torch.no_grad():
         draft.lm_head.weight.copy_(x["lm_head"][x["t2d"]])
     draft.lm_head.weight.requires_grad_(not frozen)
-    head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False).draft_rows(x["t2d"])  # as train.py
+    return draft, TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False).draft_rows(x["t2d"])
+
+
+def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32", frozen: bool = False,
+                   whole_unroll: bool = False, cudagraphs: bool = False):
+    draft, head = draft_and_head(s, x, frozen)
     unroll = TTTUnroll(draft, head.embed, ttt, 0.8, fast=fast)
     if whole_unroll:  # experimental: the whole unroll as one compiled function
         fn = torch.compile(ttt_unroll_fast)
@@ -234,11 +239,7 @@ def eaglepipe_impl(s: Shape, x: dict, ttt: int, fast: bool, teacher: str = "fp32
 
 def eaglepipe_graph_impl(s: Shape, x: dict, ttt: int, frozen: bool = False):
     """``eaglepipe-fast`` (tf32 teacher) with the whole step replayed as a CUDA graph (:class:`GraphedStep`)."""
-    draft = seeded_draft(s, x)
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(x["lm_head"][x["t2d"]])
-    draft.lm_head.weight.requires_grad_(not frozen)
-    head = TargetHead(x["norm"], 1e-5, x["lm_head"], x["embed"], tied=False).draft_rows(x["t2d"])
+    draft, head = draft_and_head(s, x, frozen)
     compile_draft(draft)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True, capturable=True)

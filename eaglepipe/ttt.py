@@ -322,8 +322,8 @@ class SoftCE(torch.autograd.Function):
     defaults' positions). ``dense`` multiplies all N rows (n = N), so that no shape depends on the data and
     nothing waits for the device (a CUDA graph's capture: :func:`static_rows`). The gradient is computed with
     the loss (d/dz = w·(softmax(z)·Σp − p)): the softmax runs one chunk of logits at a time in fp32, dz is kept
-    in the product dtype (n, Vd), and the two gradient products are one GEMM each; backward only scales them. Under autocast the products run in its dtype (as
-    ``nn.Linear`` would).
+    in the product dtype (n, Vd), and the two gradient products are one GEMM each; backward only scales them.
+    Under autocast the products run in its dtype (as ``nn.Linear`` would).
     """
 
     @staticmethod
@@ -332,10 +332,10 @@ class SoftCE(torch.autograd.Function):
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         need_x, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         N, idx = x.shape[0], None if dense else (w > 0).nonzero().squeeze(1)  # (n,) the rows that count
-        if dense:
-            p = p if p_rows is None else p.index_select(0, p_rows)  # (N, Vd)
-        else:
-            x, p, w = x[idx], p[idx if p_rows is None else p_rows[idx]], w[idx]  # (n, H), (n, Vd), (n,)
+        rows = idx if p_rows is None else p_rows if idx is None else p_rows[idx]  # p's rows for x's (n,), or None
+        if idx is not None:
+            x, w = x[idx], w[idx]  # (n, H), (n,)
+        p = p if rows is None else p.index_select(0, rows)  # (n, Vd)
         with torch.autocast(dev, enabled=False):
             xd, Wd = x.to(dt), W.to(dt)  # (n, H), (Vd, H)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -347,13 +347,15 @@ class SoftCE(torch.autograd.Function):
                 loss = loss + ce
                 if dz is not None:
                     dz[a : a + chunk] = g  # (c, Vd)
-            gx = None if not need_x else (dz @ Wd).to(x.dtype) if dense else \
-                x.new_zeros(N, x.shape[1]).index_copy_(0, idx, (dz @ Wd).to(x.dtype))  # (N, H)
+            gx = (dz @ Wd).to(x.dtype) if need_x else None  # (n, H)
             gW = (dz.T @ xd).float() if need_w else None  # (Vd, H)
+        if idx is not None:  # back to all N rows: zeros (gradient) and 0 (argmax) where w = 0
+            gx = None if gx is None else x.new_zeros(N, x.shape[1]).index_copy_(0, idx, gx)  # (N, H)
+            arg = arg.new_zeros(N).index_copy_(0, idx, arg)  # (N,)
         ctx.save_for_backward(gx, gW)
         ctx.w_dtype = W.dtype
         ctx.mark_non_differentiable(arg)
-        return loss, arg if dense else arg.new_zeros(N).index_copy_(0, idx, arg)  # (N,)
+        return loss, arg  # (), (N,)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_arg):
@@ -525,7 +527,12 @@ def flex_rows(rows: list[torch.Tensor | None], T: int) -> list[torch.Tensor | No
     if len(rows) < 2:
         return rows
     N = bucket_length(rows[1].numel(), T)
-    return [None] + [torch.cat([r, r.new_full((N - r.numel(),), T)]) for r in rows[1:]]
+    return [None] + [_pad_rows(r, N, T) for r in rows[1:]]
+
+
+def _pad_rows(r: torch.Tensor, N: int, T: int) -> torch.Tensor:
+    """(n,) positions → (N,), padding entries T appended (a position no sample has)."""
+    return torch.cat([r, r.new_full((N - r.numel(),), T)])
 
 
 def bucket_length(n: int, T: int) -> int:
@@ -548,8 +555,7 @@ def static_rows(batch: Batch, top_in_vocab: torch.Tensor, steps: int) -> list[to
     soft = SimpleNamespace(top_in_vocab=top_in_vocab)
     trained = [counted_trained(batch, soft, j)[1] for j in range(steps)]  # (1, T) bool each
     r0 = trained[0][0].nonzero().squeeze(1)
-    return [torch.cat([r0, r0.new_full((bucket_length(r0.numel(), T) - r0.numel(),), T)]),
-            *flex_rows(chain_rows(trained), T)[1:]]
+    return [_pad_rows(r0, bucket_length(r0.numel(), T), T), *flex_rows(chain_rows(trained), T)[1:]]
 
 
 def _step_ce(draft: Eagle3Draft, out: torch.Tensor, soft: SoftTargets, tr: torch.Tensor, n: int,

@@ -68,9 +68,9 @@ def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
     b0, s0 = cases[0]  # the first shape again, other values: the graph must read its inputs, not replay its capture
     g = torch.Generator(device="cuda").manual_seed(1)
     p = torch.softmax(3 * torch.randn(s0.p.shape, generator=g, device="cuda"), -1)
-    cases.append((dataclasses.replace(b0, input_ids=torch.randint(0, 99, b0.input_ids.shape, generator=g, device="cuda"),
-                                      aux=torch.randn(b0.aux.shape, generator=g, device="cuda")),
-                  SoftTargets(p, p.argmax(-1), s0.top_in_vocab)))
+    ids = torch.randint(0, 99, b0.input_ids.shape, generator=g, device="cuda")
+    aux = torch.randn(b0.aux.shape, generator=g, device="cuda")
+    cases.append((dataclasses.replace(b0, input_ids=ids, aux=aux), SoftTargets(p, p.argmax(-1), s0.top_in_vocab)))
     keys = [tuple(len(r) for r in static_rows(b, s.top_in_vocab, 3)) for b, s in cases]
     assert keys[0] == keys[2] != keys[1]
     eager, graphed = draft.cuda(), copy.deepcopy(draft).cuda()

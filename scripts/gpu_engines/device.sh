@@ -18,8 +18,8 @@ case ${1:-} in
     ls -l $E ;;
   install)
     s=$2; site=/tmp/site; [ "$s" = sglang ] && site=/tmp/site-sgl
-    case $s in inputs|data|drafter|draftdata) site=$E/$s ;; esac   # files, not wheels: unpacked only
-    a=$s.tar; case $s in drafter|draftdata) a=$s.tar.xz ;; esac   # kept sets are xz'd (suite.sh keep_set)
+    a=$s.tar   # files, not wheels, are unpacked only; kept sets are xz'd (suite.sh keep_set)
+    case $s in inputs|data) site=$E/$s ;; drafter|draftdata) site=$E/$s a=$s.tar.xz ;; esac
     ls $E/$a.part* >/dev/null   # fails loudly when the machine went cold and /tmp/eng was lost
     cat $E/$a.part* > $E/$a
     (cd $E && grep "  $a\$" MANIFEST.sha256 | sha256sum -c -)
