@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from eaglepipe.data.features import FeatureSet
 from eaglepipe.engines.hf import HFEngine
-from eaglepipe.features import FeatureSet
 
 
 def main():

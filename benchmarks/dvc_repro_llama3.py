@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import test_pipeline as tp  # noqa: E402  (its copy_repo / dvc helpers)
 
-from eaglepipe.tiny_targets import build  # noqa: E402
+from eaglepipe.target.tiny import build  # noqa: E402
 
 root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/llama3_repro")
 shutil.rmtree(root, ignore_errors=True)

@@ -5,7 +5,7 @@ Steps (each writes one JSON into ``--out``; ``all`` runs them in order; on the l
 ``scripts/gpu_engines/suite.sh numerics base|serve|fix|serve-fix`` runs one per device call):
 
     base    features of the target by ``--extract-engine`` (default hf, fp32 compute, bf16 storage as the
-            pipeline's default) → train a draft → export; then validate_offsets' check (eaglepipe.validate)
+            pipeline's default) → train a draft → export; then validate_offsets' check (eaglepipe.contract.validate)
             of those features through the serving engine unquantized and quantized (``--quantization``),
             the unquantized capture as the reference of the gap
     serve-base  that draft served (EAGLE-3, k = 3) on the unquantized and the quantized target, same
@@ -68,7 +68,7 @@ def _q(a) -> str | None:
 
 
 def _conversations(a, split: str) -> list[dict]:
-    from eaglepipe.prompts import read_jsonl
+    from eaglepipe.data.prompts import read_jsonl
 
     recs = read_jsonl(Path(a.prompts) / f"{split}.jsonl")
     if split == "eval":
@@ -78,11 +78,11 @@ def _conversations(a, split: str) -> list[dict]:
 
 def _train(a, name: str, engine: str, quantization: str | None, engine_dtype: str) -> dict:
     """extract (engine, quantization) → train → export, under ``--work/<name>``; returns what was made."""
-    from eaglepipe.export import export_all
-    from eaglepipe.extract import extract
+    from eaglepipe.data.extract import extract
     from eaglepipe.params import ExtractParams, TrainParams
-    from eaglepipe.target import read_info
-    from eaglepipe.train import train_drafter
+    from eaglepipe.serving.export import export_all
+    from eaglepipe.target.info import read_info
+    from eaglepipe.train.loop import train_drafter
 
     w = Path(a.work) / name
     shutil.rmtree(w, ignore_errors=True)
@@ -115,10 +115,10 @@ def _label(engine: str, quantization: str | None, dtype: str, version: str | Non
 def _gate(a, features: str, quantizations: list) -> list[dict]:
     """validate_offsets' check of ``features`` through the serving engine, per quantization (None first: it is
     also the reference capture of the others)."""
+    from eaglepipe.contract.validate import check_offsets, reference_capture
+    from eaglepipe.data.features import FeatureSet
     from eaglepipe.engines import get_engine
-    from eaglepipe.features import FeatureSet
-    from eaglepipe.target import read_info
-    from eaglepipe.validate import check_offsets, reference_capture
+    from eaglepipe.target.info import read_info
 
     info = read_info(a.target, hash_weights=False)
     fs = FeatureSet(Path(features))
@@ -139,7 +139,7 @@ def _serve(a, export: str, quantization: str | None) -> dict:
     from transformers import AutoTokenizer
 
     from eaglepipe.engines.serve import serve_eagle3
-    from eaglepipe.evaluate import eval_prompts
+    from eaglepipe.serving.evaluate import eval_prompts
 
     prompts = eval_prompts(AutoTokenizer.from_pretrained(a.target), _conversations(a, "eval"), a.eval_prompts)
     res = serve_eagle3(a.engine, a.target, export, [p["input_ids"] for p in prompts], K, a.max_new,

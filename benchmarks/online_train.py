@@ -8,7 +8,7 @@ offline (features read from the shards), at SmolLM2 shapes (the bundled target: 
 No DVC: both stores are written here, with eaglepipe's own writer and capture (random token sequences of
 seeded lengths, loss on their second half; the tokens store's shards carry stand-in conversation text of the
 size extract writes, ~5 bytes a token, whose parsing at each shard open cost the data thread 75-91 ms a row on
-a 2-core CPU before rows were read shard by shard: benchmarks/token_reads.py), then :func:`eaglepipe.train.train_drafter`
+a 2-core CPU before rows were read shard by shard: benchmarks/token_reads.py), then :func:`eaglepipe.train.loop.train_drafter`
 runs one epoch on each with the same params. ``tokens_per_s`` is train_drafter's own figure (token positions / seconds of the epoch
 loop: reading or computing features, forward, backward, optimizer; set-up and evaluation excluded);
 ``wall_s`` is the whole call (online set-up includes one target forward a packed row for the top-1 mask).
@@ -45,11 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.token_reads import conversation  # noqa: E402  (text the size a real store's shards hold)
+from eaglepipe.data.features import FeatureSample, ShardWriter, store_capture  # noqa: E402
 from eaglepipe.engines.hf import HFEngine  # noqa: E402
-from eaglepipe.features import FeatureSample, ShardWriter, store_capture  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
-from eaglepipe.target import materialize_target, read_info  # noqa: E402
-from eaglepipe.train import train_drafter  # noqa: E402
+from eaglepipe.target.info import materialize_target, read_info  # noqa: E402
+from eaglepipe.train.loop import train_drafter  # noqa: E402
 
 LAYERS = [2, 15, 27]  # params.yaml's default for SmolLM2 (N = 30)
 BUNDLED_GGUF = REPO / "bundled" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,12 +123,12 @@ def run(store_dir: Path, target: Path, p: TrainParams, scratch: Path) -> dict:
 
 def capture_only(store_dir: Path, target: Path, p: TrainParams, compile: bool) -> dict:
     """The online capture alone (no training) over one epoch's packed rows, as train_drafter forms and feeds them
-    (:class:`eaglepipe.online.OnlineCapture`, token budget 2 × batch_tokens): tokens/s with the device synced, so
+    (:class:`eaglepipe.train.online.OnlineCapture`, token budget 2 × batch_tokens): tokens/s with the device synced, so
     its cost inside the loop (online step − offline step) can be told from the capture's own. ``compile``: the
     target through torch.compile (HFEngine(compile=True)); two rows of warm-up (compilation) are untimed."""
-    from eaglepipe.features import FeatureSet
-    from eaglepipe.online import OnlineCapture
-    from eaglepipe.train import epoch_rows
+    from eaglepipe.data.features import FeatureSet
+    from eaglepipe.train.loop import epoch_rows
+    from eaglepipe.train.online import OnlineCapture
 
     fs = FeatureSet(store_dir)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -179,7 +179,7 @@ def main() -> None:
                     "$EAGLEPIPE_CACHE or .cache/smollm2-135m-instruct")
     ap.add_argument("--gguf", default=str(BUNDLED_GGUF))
     ap.add_argument("--random-target", action="store_true", help="--target made with SmolLM2-135M's shapes and "
-                    "random weights (eaglepipe.tiny_targets), not from --gguf")
+                    "random weights (eaglepipe.target.tiny), not from --gguf")
     ap.add_argument("--work", default="/tmp/eaglepipe-online-bench")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "online_train_cpu.json"))
     ap.add_argument("--samples", type=int, default=24)
@@ -204,7 +204,7 @@ def main() -> None:
     target = Path(a.target or Path(os.environ.get("EAGLEPIPE_CACHE", REPO / ".cache")) / "smollm2-135m-instruct")
     if not (target / "config.json").exists():
         if a.random_target:
-            from eaglepipe.tiny_targets import build
+            from eaglepipe.target.tiny import build
 
             build("llama", target, **SMOLLM2_SHAPES)
         else:

@@ -6,7 +6,7 @@ falls in. vLLM's V1 sampler draws a seeded request's noise on its own (``random_
 ``vllm/v1/sample/ops/topk_topp_sampler.py`` loops ``exponential_(generator=...)`` over the seeded requests),
 which at ``max_num_seqs`` ~1,000 could be ~1,000 small kernels per decode step. This times one vLLM instance
 (started as extract starts it: :func:`eaglepipe.engines.get_engine`, ``EAGLEPIPE_VLLM_ARGS`` included) on the
-same Magpie prompts (:func:`eaglepipe.template.user_prompt`, no messages) sampled three ways, alternating,
+same Magpie prompts (:func:`eaglepipe.data.template.user_prompt`, no messages) sampled three ways, alternating,
 after a warm-up: seeded per prompt (as extract does), one unseeded ``SamplingParams`` for all (vLLM's global
 generator), and greedy (no sampling noise at all, the floor).
 
@@ -25,8 +25,8 @@ import time
 
 from transformers import AutoTokenizer
 
+from eaglepipe.data.template import user_prompt
 from eaglepipe.engines import get_engine
-from eaglepipe.template import user_prompt
 
 
 def _modes(n: int, max_new: int, temperature: float, seed: int) -> dict:

@@ -2,7 +2,7 @@
 
     train   THERE (the GPU box), after the GPU profile's extract: drafts trained on the first n shards of its
             tokens store (n · extract.shard_size conversations), with the profile's own train params, online
-            as train_drafter does (eaglepipe.train.train_drafter); one JSON per n (its summary's per-epoch τ_sim).
+            as train_drafter does (eaglepipe.train.loop.train_drafter); one JSON per n (its summary's per-epoch τ_sim).
     csv     HERE: those JSONs (and full runs' reports/train.json, if they ran) and the served τ of a draft's
             kept epoch (--served) → benchmarks/h200/scaling.csv with columns conversations, epochs, tau_sim,
             tau_reference, tau_vllm, tau_sglang (blank where not measured), then tau_sim_mtbench (the kept
@@ -55,8 +55,7 @@ def train(a) -> None:
     import yaml
 
     from eaglepipe.params import parse_params
-    from eaglepipe.train import train_drafter
-
+    from eaglepipe.train.loop import train_drafter
     from scripts.run_stages import apply_sets
 
     # e.g. train.draft_vocab_size=32768: the levers issue 13 asks to measure

@@ -29,15 +29,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eaglepipe.draft import CONFIG_FILE, load_draft  # noqa: E402
+from eaglepipe.data.features import FeatureSample, store_capture  # noqa: E402
+from eaglepipe.data.prompts import humaneval_prompts, mtbench_first_turns  # noqa: E402
 from eaglepipe.engines.hf import HFEngine  # noqa: E402
-from eaglepipe.evaluate import eval_prompts, reference_eval  # noqa: E402
-from eaglepipe.features import FeatureSample, store_capture  # noqa: E402
+from eaglepipe.model.draft import CONFIG_FILE, load_draft  # noqa: E402
+from eaglepipe.model.target_head import load_target_head, soft_targets  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
-from eaglepipe.prompts import humaneval_prompts, mtbench_first_turns  # noqa: E402
-from eaglepipe.target_head import load_target_head, soft_targets  # noqa: E402
-from eaglepipe.train import autocast_for, collate, eval_summary, pack  # noqa: E402
-from eaglepipe.ttt import ttt_unroll  # noqa: E402
+from eaglepipe.serving.evaluate import eval_prompts, reference_eval  # noqa: E402
+from eaglepipe.train.loop import autocast_for, collate, eval_summary, pack  # noqa: E402
+from eaglepipe.train.ttt import ttt_unroll  # noqa: E402
 
 
 def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: int, dtype: str) -> list[FeatureSample]:
@@ -48,7 +48,7 @@ def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: i
     caps = engine.capture(seqs, ids)  # (T, L+1, H) float32 each
     out = []
     for p, o, s, h in zip(prompts, outs, seqs, caps):
-        mask = torch.zeros(len(s), dtype=torch.bool)  # over predictions (eaglepipe/template.py): position t
+        mask = torch.zeros(len(s), dtype=torch.bool)  # over predictions (eaglepipe/data/template.py): position t
         mask[len(p["input_ids"]) - 1 : -1] = True      # scores token t + 1, here every continuation token
         out.append(FeatureSample(p["id"], torch.tensor(s), mask, *store_capture(h, dtype)))
     return out
@@ -56,8 +56,8 @@ def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: i
 
 def simulator(drafter_dir: Path, target_dir: Path, steps: int, decay: float, max_tokens: int):
     """The draft and the target head loaded once; returns ``simulate(samples) -> dict``: train_drafter's held-out
-    evaluation (eaglepipe/train.py::evaluate: the fp32 teacher, bf16 autocast on CUDA,
-    :func:`eaglepipe.train.eval_summary`) over ``samples``: acc per TTT step, τ_sim, counted positions."""
+    evaluation (eaglepipe/train/loop.py::evaluate: the fp32 teacher, bf16 autocast on CUDA,
+    :func:`eaglepipe.train.loop.eval_summary`) over ``samples``: acc per TTT step, τ_sim, counted positions."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     draft = load_draft(drafter_dir, dev).float()
     head = load_target_head(target_dir).to(dev)
@@ -96,7 +96,7 @@ def by_category(records: list[dict], samples: list[FeatureSample], simulate) -> 
 
 
 def _served(target: Path, drafter: Path, layers: list[int], prompts: list[dict], k: int, max_new: int) -> dict:
-    """The reference decoder (eaglepipe.evaluate.reference_eval, fp32) on the same prompts: τ, acceptance per
+    """The reference decoder (eaglepipe.serving.evaluate.reference_eval, fp32) on the same prompts: τ, acceptance per
     position, outputs equal to greedy."""
     r = reference_eval(target, drafter, layers, prompts, k, max_new)
     return {"tau": round(r["tau"], 4), "acceptance_per_pos": [round(a, 4) for a in r["acceptance_per_pos"]],

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/support_matrix.py [--out metrics/support_matrix.json] [--families a,b] [--engines hf,vllm]
 
-For each family of :data:`eaglepipe.tiny_targets.FAMILIES` (N = 6, layers h[2], h[3], h[4]): the target
+For each family of :data:`eaglepipe.target.tiny.FAMILIES` (N = 6, layers h[2], h[3], h[4]): the target
 stage (materialize_target), extract through hf (stored features), train a few steps, export_all, and
 ``eaglepipe inspect`` on the vLLM folder; then, per engine, that engine's own capture with the exported ids
 (in a subprocess with a time limit, so one engine crashing on one family costs one row) compared with the
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.engine_table import NAMES as ENGINES  # noqa: E402
 from eaglepipe.errors import EaglepipeError  # noqa: E402
-from eaglepipe.tiny_targets import FAMILIES, build, tiny_conversations  # noqa: E402
+from eaglepipe.target.tiny import FAMILIES, build, tiny_conversations  # noqa: E402
 
 LAYERS = [2, 3, 4]
 MIN_COSINE = 0.999
@@ -49,12 +49,12 @@ def _conversations(n: int) -> list[dict]:
 
 def prepare(name: str, work: Path) -> dict:
     """Target → extract (hf) → train (a few steps) → export → inspect for one family. Returns a summary."""
-    from eaglepipe.export import export_all
-    from eaglepipe.extract import extract
-    from eaglepipe.inspect import inspect_draft
+    from eaglepipe.contract.inspect import inspect_draft
+    from eaglepipe.data.extract import extract
     from eaglepipe.params import ExtractParams, TrainParams
-    from eaglepipe.target import materialize_target
-    from eaglepipe.train import train_drafter
+    from eaglepipe.serving.export import export_all
+    from eaglepipe.target.info import materialize_target
+    from eaglepipe.train.loop import train_drafter
 
     info = materialize_target(str(build(name, work / "src")), work / "target")
     p = ExtractParams(engine="hf", regenerate=False, batch_size=4, max_length=64, dtype="float32", shard_size=8)
@@ -70,11 +70,11 @@ def prepare(name: str, work: Path) -> dict:
 
 def verify(engine: str, work: Path) -> dict:
     """``engine``'s own capture with the exported ids vs the stored features (runs in its own process)."""
-    from eaglepipe import convention
+    from eaglepipe.contract import convention
+    from eaglepipe.contract.validate import check_offsets
+    from eaglepipe.data.features import FeatureSet
     from eaglepipe.engines import get_engine
-    from eaglepipe.features import FeatureSet
-    from eaglepipe.target import read_info
-    from eaglepipe.validate import check_offsets
+    from eaglepipe.target.info import read_info
 
     info = read_info(work / "target", hash_weights=False)
     fs = FeatureSet(work / "features")

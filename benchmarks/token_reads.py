@@ -5,8 +5,8 @@ Usage: python benchmarks/token_reads.py [WORK_DIR] [OUT_JSON]
 
 Builds a tokens store shaped like the GPU profile's (`profiles/gpu.yaml`: 16 shards of 1,024 samples, 64–512
 tokens, each shard's metadata holding its conversations' text as extract writes it, ~5 bytes a token: the
-H200 store held 13.86 bytes a token, 9 of them token ids and masks) with :class:`eaglepipe.features.ShardWriter`,
-then reads one epoch of :func:`eaglepipe.train.epoch_rows` (length packing, 16,384 tokens a row) as the data
+H200 store held 13.86 bytes a token, 9 of them token ids and masks) with :class:`eaglepipe.data.features.ShardWriter`,
+then reads one epoch of :func:`eaglepipe.train.loop.epoch_rows` (length packing, 16,384 tokens a row) as the data
 thread does, token ids and masks only:
 
 - ``per_sample``: :meth:`FeatureSet.tokens` for each sample in row order (train.py's data thread before
@@ -33,8 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eaglepipe.features import FeatureSample, FeatureSet, ShardWriter  # noqa: E402
-from eaglepipe.train import epoch_rows  # noqa: E402
+from eaglepipe.data.features import FeatureSample, FeatureSet, ShardWriter  # noqa: E402
+from eaglepipe.train.loop import epoch_rows  # noqa: E402
 
 SHARDS, SHARD, BATCH_TOKENS, TEXT_BYTES_PER_TOKEN = 16, 1024, 16384, 5
 

@@ -22,7 +22,7 @@ Implementations (``impl`` in the JSON):
   rows ``--warmup`` ≥ 2: a graph's first call runs it, the second records it.
 - ``eaglepipe-graph`` / ``eaglepipe-graph-frozen``: ``eaglepipe-fast`` / ``-frozen`` with the whole step (the
   unroll given ttt.static_rows, its backward, clipping, AdamW with ``capturable=True``) replayed as one CUDA graph
-  (eaglepipe.graphed.GraphedStep), the soft targets inside it (at every position); static_rows runs eagerly before
+  (eaglepipe.train.graphed.GraphedStep), the soft targets inside it (at every position); static_rows runs eagerly before
   each replay. Written without a GPU (2026-12-04); not yet run on the H200.
 - ``eaglepipe-fast-unroll-frozen``: experimental, the whole unroll as one torch.compile'd function (not yet run
   on the H200).
@@ -57,19 +57,26 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eaglepipe.draft import DraftConfig, Eagle3Draft  # noqa: E402
-from eaglepipe.target_head import TargetHead, soft_targets  # noqa: E402
-from eaglepipe.graphed import GraphedStep  # noqa: E402
-from eaglepipe.ttt import Batch, TTTUnroll, chain_rows, compile_draft, counted_trained, static_rows  # noqa: E402
-from eaglepipe.ttt import ttt_unroll_fast  # noqa: E402
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft  # noqa: E402
+from eaglepipe.model.target_head import TargetHead, soft_targets  # noqa: E402
+from eaglepipe.train.graphed import GraphedStep  # noqa: E402
+from eaglepipe.train.ttt import (  # noqa: E402
+    Batch,
+    TTTUnroll,
+    chain_rows,
+    compile_draft,
+    counted_trained,
+    static_rows,
+    ttt_unroll_fast,  # noqa: E402
+)
 
 
 @dataclass
@@ -296,12 +303,11 @@ def install_stubs() -> None:
 
 
 def speculators_impl(s: Shape, x: dict, ttt: int, train_lm_head: bool = False, attn: str = "simple_flex_attention"):
-    from transformers import LlamaConfig
-
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses.utils import kl_div_loss
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
 
     tl = LlamaConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_attention_heads=s.heads,
                      num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=s.vocab, num_hidden_layers=1,

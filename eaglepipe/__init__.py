@@ -2,7 +2,7 @@
 
 Inside the project a layer is named by its residual-stream boundary index k (h[k]): 0 = token
 embeddings, k = input of decoder layer k, N = output of the last layer before the final norm.
-Engine-specific meanings of layer ids live only in :mod:`eaglepipe.convention`.
+Engine-specific meanings of layer ids live only in :mod:`eaglepipe.contract.convention`.
 """
 
 __version__ = "0.1.0"

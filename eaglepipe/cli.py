@@ -10,7 +10,7 @@ import dataclasses
 import json
 import sys
 
-from .errors import EaglepipeError
+from eaglepipe.errors import EaglepipeError
 
 
 def _add_inspect(sub) -> None:
@@ -29,7 +29,7 @@ def _add_inspect(sub) -> None:
 
 
 def _run_inspect(args) -> int:
-    from .inspect import format_report, inspect_draft
+    from eaglepipe.contract.inspect import format_report, inspect_draft
 
     versions = {"sglang": args.sglang_version, "vllm": args.vllm_version}
     report = inspect_draft(args.draft_dir, args.target, {k: v for k, v in versions.items() if v})

@@ -1,7 +1,7 @@
 """The engines eaglepipe knows, written once: name, the PyPI packages that provide it, the module that drives it.
 
 Everything else (the convention's rules, params' allowed values, export's folders, ``get_engine``) takes the
-names from here. Nothing here imports an engine: :mod:`eaglepipe.convention` and :mod:`eaglepipe.inspect`
+names from here. Nothing here imports an engine: :mod:`eaglepipe.contract.convention` and :mod:`eaglepipe.contract.inspect`
 read this table on any machine.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine: its name (the key of :mod:`eaglepipe.convention`'s rules) and where it comes from."""
+    """One engine: its name (the key of :mod:`eaglepipe.contract.convention`'s rules) and where it comes from."""
 
     name: str
     packages: tuple[str, ...]  # PyPI distributions that provide it; the first one installed is its version

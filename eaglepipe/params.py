@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, ValidationInfo
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from .engine_table import NAMES as ENGINE_NAMES
-from .errors import ParamsError
-from .boundaries import list_problem
+from eaglepipe.contract.boundaries import list_problem
+from eaglepipe.engine_table import NAMES as ENGINE_NAMES
+from eaglepipe.errors import ParamsError
 
 Engine = Literal[ENGINE_NAMES]  # "hf" | "vllm" | "sglang" (eaglepipe/engine_table.py)
 
@@ -79,7 +79,7 @@ class ExtractParams(_Strict):
         "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "
         "reads; train_drafter then computes the features online with the hf engine's capture on its device")
     quantization: str | None = Field(None, description="the engine's own quantization method (e.g. 'fp8' on "
-                                     "vllm/sglang; eaglepipe/quantization.py): extract with the quantized "
+                                     "vllm/sglang; eaglepipe/target/quantization.py): extract with the quantized "
                                      "serving engine itself, so the features carry its numerics")
 
     @field_validator("store")
@@ -102,7 +102,7 @@ class ValidateParams(_Strict):
     max_rel_l2: float = Field(0.05, gt=0.0, description="above this relative L2 at offset 0 the gate fails "
                               "(a numerics gap, like a cosine below min_cosine)")
     quantization: str | None = Field(None, description="validate against the serving engine quantized this way "
-                                     "(e.g. 'fp8'; eaglepipe/quantization.py)")
+                                     "(e.g. 'fp8'; eaglepipe/target/quantization.py)")
     engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the serving engine computes in (vLLM's fp8 needs bfloat16 or float16)")
     reference: bool = Field(True, description="with quantization: also capture through the unquantized engine, "
@@ -160,7 +160,7 @@ class ServeParams(_Strict):
     min_tau: float = Field(1.05, ge=1.0, description="serve_eval fails when an engine's τ is below this")
     max_sim_gap: float = Field(0.5, ge=0.0, description="flag a served τ this far below τ_sim or the reference")
     quantization: str | None = Field(None, description="serve the target quantized this way (e.g. 'fp8'; "
-                                     "eaglepipe/quantization.py); the draft is not quantized")
+                                     "eaglepipe/target/quantization.py); the draft is not quantized")
     engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the serving engine computes in (vLLM's fp8 needs bfloat16 or float16)")
 
@@ -223,7 +223,7 @@ def check_quantization(p: Params) -> None:
 
     Every stage checks it at start (check_params first): the engine names are params, the version is installed.
     """
-    from . import quantization
+    from eaglepipe.target import quantization
 
     quantization.check("extract.quantization", p.extract.engine, p.extract.quantization, p.extract.engine_dtype)
     quantization.check("validate.quantization", p.framework, p.validate_.quantization, p.validate_.engine_dtype)

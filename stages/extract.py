@@ -1,7 +1,7 @@
 """Stage `extract`: the target's aux hidden states h[k] (k in `layers`) and h[N] for every training token.
 
 Usage: python stages/extract.py TARGET_DIR TRAIN_JSONL OUT_DIR METRICS_JSON
-Reads params `layers`, `extract`; writes OUT_DIR (shards + manifest.json, see eaglepipe/features.py) and
+Reads params `layers`, `extract`; writes OUT_DIR (shards + manifest.json, see eaglepipe/data/features.py) and
 METRICS_JSON. Killed and restarted, it resumes from the finished shards (scratch under data/.scratch/, keyed
 by params, target, prompts and the eaglepipe code, so shards written by other code are never resumed).
 With `extract.store: tokens` (online training) it stores token ids, loss masks and the regenerated text,
@@ -16,12 +16,12 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from eaglepipe.extract import extract
+from eaglepipe.data.extract import extract
+from eaglepipe.data.prompts import read_jsonl
 from eaglepipe.params import check_layers_against_target
-from eaglepipe.prompts import read_jsonl
-from eaglepipe.serving import require_servable
+from eaglepipe.serving.servable import require_servable
 from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
-from eaglepipe.target import read_info
+from eaglepipe.target.info import read_info
 
 
 def main():

@@ -8,8 +8,15 @@ Writes OUT_DIR/train.jsonl, OUT_DIR/eval.jsonl and METRICS_JSON (records read, k
 import sys
 from pathlib import Path
 
-from eaglepipe.prompts import (SKIP_REASONS, humaneval_prompts, load_conversations, mtbench_first_turns, split,
-                               synthetic_records, write_jsonl)
+from eaglepipe.data.prompts import (
+    SKIP_REASONS,
+    humaneval_prompts,
+    load_conversations,
+    mtbench_first_turns,
+    split,
+    synthetic_records,
+    write_jsonl,
+)
 from eaglepipe.stage import run, start, write_metrics
 
 

@@ -13,13 +13,18 @@ from pathlib import Path
 import pandas as pd
 from transformers import AutoTokenizer
 
+from eaglepipe.data.prompts import read_jsonl
 from eaglepipe.engine_table import SERVING
 from eaglepipe.engines import engine_version
 from eaglepipe.engines.serve import serve_eagle3
 from eaglepipe.errors import EaglepipeError, ServingUnavailable
-from eaglepipe.evaluate import (ZERO_ACCEPTANCE_CAUSES, acceptance_gate, compact_serve_metrics, eval_prompts,
-                                reference_eval)
-from eaglepipe.prompts import read_jsonl
+from eaglepipe.serving.evaluate import (
+    ZERO_ACCEPTANCE_CAUSES,
+    acceptance_gate,
+    compact_serve_metrics,
+    eval_prompts,
+    reference_eval,
+)
 from eaglepipe.stage import run, start, write_metrics
 
 

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 from eaglepipe.stage import run, start, write_metrics
-from eaglepipe.target import materialize_target
+from eaglepipe.target.info import materialize_target
 
 
 def main():

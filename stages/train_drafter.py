@@ -2,7 +2,7 @@
 
 Usage: python stages/train_drafter.py FEATURES_DIR TARGET_DIR OUT_DIR METRICS_JSON REPORT_JSON LIVE_DIR
 Reads params `layers`, `train`; writes OUT_DIR (config.json + model.safetensors with fc / midlayer / norm /
-lm_head / d2t / t2d, see eaglepipe/draft.py), REPORT_JSON (the whole summary), METRICS_JSON (best τ_sim,
+lm_head / d2t / t2d, see eaglepipe/model/draft.py), REPORT_JSON (the whole summary), METRICS_JSON (best τ_sim,
 its epoch and acceptance per TTT step, tokens/s) and the dvclive curves in LIVE_DIR. Several
 processes: `torchrun --nproc_per_node N stages/train_drafter.py ...`. Killed and restarted with the same params
 and features, it resumes from its last checkpoint (scratch under data/.scratch/).
@@ -12,9 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from eaglepipe.features import FeatureSet
+from eaglepipe.data.features import FeatureSet
 from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
-from eaglepipe.train import train_drafter
+from eaglepipe.train.loop import train_drafter
 
 
 def main():

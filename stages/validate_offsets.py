@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from eaglepipe.engines import get_engine
 from eaglepipe.atomic import atomic_write_json
-from eaglepipe.features import FeatureSet
-from eaglepipe.serving import require_servable
+from eaglepipe.contract.validate import check_offsets, reference_capture, require_ok
+from eaglepipe.data.features import FeatureSet
+from eaglepipe.engines import get_engine
+from eaglepipe.serving.servable import require_servable
 from eaglepipe.stage import run, start, write_metrics
-from eaglepipe.target import read_info
-from eaglepipe.validate import check_offsets, reference_capture, require_ok
+from eaglepipe.target.info import read_info
 
 
 def main():

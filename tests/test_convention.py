@@ -2,7 +2,7 @@
 
 import pytest
 
-from eaglepipe import convention as conv
+from eaglepipe.contract import convention as conv
 from eaglepipe.errors import ConventionError
 
 SGL, VLLM = "0.5.23", "0.32.0"

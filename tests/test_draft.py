@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eaglepipe.draft import DraftConfig, Eagle3Draft, KVCache, draft_step, load_draft, save_draft
-from eaglepipe.target_head import load_target_head
-from eaglepipe.ttt import TTTAttention
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft, KVCache, draft_step, load_draft, save_draft
+from eaglepipe.model.target_head import load_target_head
+from eaglepipe.train.ttt import TTTAttention
 
 torch.set_num_threads(1)
 

@@ -2,7 +2,9 @@
 
 The import closure is derived statically by eaglepipe.sources.import_closure (ast, nothing executed): every
 `import eaglepipe...` / `from eaglepipe... import ...` / relative import anywhere in a file (function bodies
-included, since engines are imported lazily), followed transitively through the package.
+included, since engines are imported lazily), the engine dispatch (every engine of eaglepipe.engine_table), and
+modules an engine loads by name, followed transitively through the package. The deps are exactly that closure:
+a module a stage never runs is not a dep, so editing serving code does not rerun training.
 """
 
 from __future__ import annotations
@@ -19,22 +21,33 @@ def _covered(f: Path, deps: list[str]) -> bool:
     return any(rel == Path(d) or Path(d) in rel.parents for d in deps)
 
 
-def test_every_stage_depends_on_its_import_closure():
+def test_every_stage_depends_on_exactly_its_import_closure():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    missing = []
+    missing, extra = [], []
     for name, st in stages.items():
         script = REPO / st["cmd"].split()[1]
         deps = [str(d) for d in st.get("deps", [])]
         assert _covered(script, deps), f"stage {name}: its script {script.name} is not a dep"
-        missing += [f"{name}: {f.relative_to(REPO)}" for f in sorted(import_closure(script)) if not _covered(f, deps)]
+        closure = import_closure(script)
+        missing += [f"{name}: {f.relative_to(REPO)}" for f in closure if not _covered(f, deps)]
+        code = {REPO / d for d in deps if d.startswith("eaglepipe/")}
+        extra += [f"{name}: {f.relative_to(REPO)}" for f in sorted(code - set(closure))]
     assert not missing, "dvc.yaml deps miss modules the stage imports:\n" + "\n".join(missing)
+    assert not extra, "dvc.yaml deps name modules the stage never runs (a change there would rerun it):\n" + \
+        "\n".join(extra)
 
 
-def test_closure_follows_lazy_and_relative_imports():
-    closure = {f.relative_to(REPO).as_posix() for f in import_closure(REPO / "stages" / "serve_eval.py")}
-    # evaluate.py imports draft/specdec/template relatively; serve_eval imports engines.vllm inside a branch
-    assert {"eaglepipe/evaluate.py", "eaglepipe/draft.py", "eaglepipe/specdec.py", "eaglepipe/template.py",
-            "eaglepipe/engines/__init__.py", "eaglepipe/engines/vllm.py"} <= closure
+def test_closure_follows_lazy_imports_and_the_engine_dispatch():
+    serve = {f.relative_to(REPO).as_posix() for f in import_closure(REPO / "stages" / "serve_eval.py")}
+    # evaluate imports draft/specdec/template; get_engine dispatches to every engine of engine_table's TABLE, and
+    # vLLM loads the connector by its dotted name (a string constant)
+    assert {"eaglepipe/serving/evaluate.py", "eaglepipe/model/draft.py", "eaglepipe/serving/specdec.py",
+            "eaglepipe/data/template.py", "eaglepipe/engines/__init__.py", "eaglepipe/engines/vllm.py",
+            "eaglepipe/engines/sglang.py", "eaglepipe/engines/vllm_connector.py"} <= serve
+    train = {f.relative_to(REPO).as_posix() for f in import_closure(REPO / "stages" / "train_drafter.py")}
+    # training captures online through the hf engine only: no serving code, no other engine
+    assert "eaglepipe/engines/hf.py" in train
+    assert not {f for f in train if f.startswith("eaglepipe/serving/") or f.endswith(("vllm.py", "sglang.py"))}
 
 
 def test_command_paths_are_deps_or_outs():
@@ -58,9 +71,10 @@ def test_extract_resume_key_follows_the_code(tmp_path):
         shutil.copytree(REPO / d, tmp_path / d)
     script = tmp_path / "stages" / "extract.py"
     closure = {f.relative_to(tmp_path).as_posix() for f in import_closure(script, tmp_path)}
-    assert "eaglepipe/template.py" in closure and "eaglepipe/train.py" not in closure
+    assert "eaglepipe/data/template.py" in closure and "eaglepipe/train/loop.py" not in closure
     before = code_hash(script)
-    (tmp_path / "eaglepipe" / "train.py").write_text("# not imported by extract\n")
+    (tmp_path / "eaglepipe" / "train" / "loop.py").write_text("# not imported by extract\n")
     assert code_hash(script) == before
-    (tmp_path / "eaglepipe" / "template.py").write_text((tmp_path / "eaglepipe" / "template.py").read_text() + "\n#\n")
+    template = tmp_path / "eaglepipe" / "data" / "template.py"
+    template.write_text(template.read_text() + "\n#\n")
     assert code_hash(script) != before

@@ -13,9 +13,8 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from test_pipeline import copy_repo, dvc
-
 from conftest import tiny_tokenizer
+from test_pipeline import copy_repo, dvc
 
 REPO = Path(__file__).resolve().parents[1]
 CONVS = [("Hi! Who are you?", "I am a helpful assistant."), ("Name a color.", "Blue."), ("Say hi.", "Hi!")]
@@ -106,12 +105,12 @@ def test_zero_acceptance_fails_serve_eval_and_names_the_causes(tmp_path, tiny_ta
     """A draft that always proposes a token the target never emits: τ = 1.000 exactly → exit 1, gate 'fail'."""
     from transformers import AutoTokenizer
 
-    from eaglepipe.draft import DraftConfig, Eagle3Draft, save_draft
-    from eaglepipe.evaluate import eval_prompts
+    from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
+    from eaglepipe.serving.evaluate import eval_prompts
 
     layers, n_new = [1, 2, 3], 12
     write_convs(tmp_path / "eval.jsonl", CONVS[:2])
-    from eaglepipe.prompts import read_jsonl
+    from eaglepipe.data.prompts import read_jsonl
     prompts = eval_prompts(AutoTokenizer.from_pretrained(tiny_target), read_jsonl(tmp_path / "eval.jsonl"), 2)
     never = min(set(range(3, 99)) - _greedy_tokens(tiny_target, [p["input_ids"] for p in prompts], n_new))
     cfg = DraftConfig.from_target(json.loads((tiny_target / "config.json").read_text()), n_aux=3, draft_vocab_size=1)
@@ -142,7 +141,7 @@ def test_zero_acceptance_fails_serve_eval_and_names_the_causes(tmp_path, tiny_ta
 
 
 def test_gate_says_when_the_draft_is_undertrained_not_miswired():
-    from eaglepipe.evaluate import acceptance_gate
+    from eaglepipe.serving.evaluate import acceptance_gate
 
     res = {"reference": {"tau": 1.0, "rounds": 14, "acceptance_per_pos": [0.0, 0.0, 0.0]},
            "vllm": {"tau": 1.0, "accepted_tokens": 0, "draft_tokens": 42}}

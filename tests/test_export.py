@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglepipe import convention
-from eaglepipe.draft import DraftConfig, Eagle3Draft, save_draft
+from eaglepipe.contract import convention
 from eaglepipe.errors import ConventionError, ExportError
-from eaglepipe.export import export_draft
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
+from eaglepipe.serving.export import export_draft
 
 
 @pytest.fixture

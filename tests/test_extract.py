@@ -14,9 +14,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglepipe.tiny_targets import tiny_conversations
-from eaglepipe.features import FeatureSet, token_hash
-from eaglepipe.prompts import write_jsonl
+from eaglepipe.data.features import FeatureSet, token_hash
+from eaglepipe.data.prompts import write_jsonl
+from eaglepipe.target.tiny import tiny_conversations
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,8 +178,9 @@ def test_non_finite_sample_is_quarantined(tmp_path, poisoned_target):
     assert [s.id for s in fs] == ["c0", "c2"] and m["totals"]["samples"] == 2
     assert [s["file"] for s in m["shards"]] == ["shard-00000.safetensors", "shard-00002.safetensors"]
     # the expected count, computed independently: non-finite values of h[1..3] of c1 in the HF model
-    from eaglepipe.template import tokenize_conversation
     from transformers import AutoTokenizer
+
+    from eaglepipe.data.template import tokenize_conversation
 
     ids = tokenize_conversation(AutoTokenizer.from_pretrained(poisoned_target), convs[1]["messages"], 512).input_ids
     model = AutoModelForCausalLM.from_pretrained(poisoned_target, dtype=torch.float32).eval()

@@ -11,13 +11,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglepipe import convention
-from eaglepipe.draft import DraftConfig, Eagle3Draft, save_draft
+from eaglepipe.contract import convention
 from eaglepipe.errors import ParamsError
-from eaglepipe.export import export_all
-from eaglepipe.serving import plan, require_servable
-from eaglepipe.target import materialize_target, read_info
-from eaglepipe.tiny_targets import LLAMA3_ROPE, build
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
+from eaglepipe.serving.export import export_all
+from eaglepipe.serving.servable import plan, require_servable
+from eaglepipe.target.info import materialize_target, read_info
+from eaglepipe.target.tiny import LLAMA3_ROPE, build
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_model_type_without_layer_id_rules_is_refused_at_the_target_stage(tmp_pa
 
     Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                vocab_size=99, pad_token_id=0)).save_pretrained(tmp_path / "src")
-    from eaglepipe.tiny_targets import tiny_tokenizer
+    from eaglepipe.target.tiny import tiny_tokenizer
 
     tiny_tokenizer().save_pretrained(tmp_path / "src")
     r = _run_target_stage(tmp_path, tmp_path / "src")
@@ -150,7 +150,7 @@ def test_export_writes_the_targets_llama3_rope(tmp_path):
 
 
 def test_inspect_flags_a_draft_whose_rope_is_not_the_targets(tmp_path):
-    from eaglepipe.inspect import inspect_draft
+    from eaglepipe.contract.inspect import inspect_draft
 
     materialize_target(str(build("llama-llama3", tmp_path / "src")), tmp_path / "target")
     cfg = DraftConfig.from_target(json.loads((tmp_path / "target" / "config.json").read_text()), 3, 99)
@@ -166,8 +166,8 @@ def test_inspect_flags_a_draft_whose_rope_is_not_the_targets(tmp_path):
 
 
 def test_extract_uses_the_targets_family_on_kimi_k2(kimi, tmp_path):
-    from eaglepipe.extract import extract
-    from eaglepipe.features import FeatureSet
+    from eaglepipe.data.extract import extract
+    from eaglepipe.data.features import FeatureSet
     from eaglepipe.params import ExtractParams
 
     _, target, info = kimi
@@ -196,7 +196,7 @@ def test_readme_support_matrix_is_rendered_from_the_json():
 
 def test_export_refuses_a_draft_trained_with_another_rope(drafter, tmp_path):
     from eaglepipe.errors import ExportError
-    from eaglepipe.export import export_draft
+    from eaglepipe.serving.export import export_draft
 
     target = materialize_target(str(build("llama-llama3", tmp_path / "src")), tmp_path / "target")
     assert target.rope["rope_type"] == "llama3"

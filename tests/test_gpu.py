@@ -4,8 +4,8 @@ On the lent H200, after `scripts/gpu_engines/suite.sh setup` (engines and inputs
     source <(scripts/gpu_engines/device.sh env vllm);   python3 -m pytest -q tests/test_gpu.py   # engine: vllm
     source <(scripts/gpu_engines/device.sh env sglang); python3 -m pytest -q tests/test_gpu.py   # engine: sglang
 (an engine's test is skipped where it does not import). What they hold:
-  - rows of other lengths padded to one length by :func:`eaglepipe.ttt.pad_batch` do not compile the draft
-    again unless their later steps' bucketed length (:func:`eaglepipe.ttt.flex_rows`) is new (the recompile
+  - rows of other lengths padded to one length by :func:`eaglepipe.train.ttt.pad_batch` do not compile the draft
+    again unless their later steps' bucketed length (:func:`eaglepipe.train.ttt.flex_rows`) is new (the recompile
     cliff found on the H200; tests/test_ttt.py compares the fast path on CUDA with the plain one);
   - the online capture on the device equals the CPU capture;
   - the tiny kimi_k2 target (DeepSeek-V3 MLA, top-2 routing) through vLLM and through SGLang on CUDA matches
@@ -27,14 +27,14 @@ def _case(T: int, seed: int):
     """tests/test_ttt.py's packed row of three samples at length T, on CUDA."""
     from test_ttt import _packed_case
 
-    from eaglepipe.target_head import SoftTargets
+    from eaglepipe.model.target_head import SoftTargets
 
     b, soft = _packed_case(T, seed=seed)
     return b.to("cuda"), SoftTargets(p=soft.p.cuda(), top=soft.top.cuda(), top_in_vocab=soft.top_in_vocab.cuda())
 
 
 def _draft(head_dim: int = 16):
-    from eaglepipe.draft import DraftConfig, Eagle3Draft
+    from eaglepipe.model.draft import DraftConfig, Eagle3Draft
 
     torch.manual_seed(0)
     return Eagle3Draft(DraftConfig(32, 32 // head_dim, 1, head_dim, 64, 1e-6, 10000.0, 4096, 32, 3, 8, 99)).cuda()
@@ -46,8 +46,16 @@ def test_rows_padded_to_one_length_compile_the_draft_once(head_dim):
     flex_rows' bucket of its chain rows; plain attention: every position) is new. 903 and 950 share a bucket."""
     from torch._dynamo.utils import counters
 
-    from eaglepipe.ttt import chain_rows, compile_draft, counted_trained, flex_rows, pad_batch, padded_length, \
-        ttt_unroll, uses_flex
+    from eaglepipe.train.ttt import (
+        chain_rows,
+        compile_draft,
+        counted_trained,
+        flex_rows,
+        pad_batch,
+        padded_length,
+        ttt_unroll,
+        uses_flex,
+    )
 
     draft, embed = _draft(head_dim), torch.randn(99, 32, device="cuda")
     assert uses_flex(head_dim, "cuda") == (head_dim >= 16)
@@ -89,9 +97,9 @@ def test_tiny_kimi_through_the_cuda_engine_matches_transformers(engine, tmp_path
     pytest.importorskip(engine, reason=f"{engine} is not importable here (on the H200: source <(scripts/"
                                        f"gpu_engines/device.sh env {engine}))")
     from benchmarks.h200_engines import GPU_SGLANG, crosscheck_rows
-    from eaglepipe import convention
-    from eaglepipe.target import materialize_target, read_info
-    from eaglepipe.tiny_targets import build
+    from eaglepipe.contract import convention
+    from eaglepipe.target.info import materialize_target, read_info
+    from eaglepipe.target.tiny import build
 
     target = tmp_path / "target"
     materialize_target(str(build("kimi_k2", tmp_path / "src")), target)

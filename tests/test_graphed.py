@@ -1,4 +1,4 @@
-"""eaglepipe.graphed: the whole training step replayed as a CUDA graph gives the eager fast step's losses and
+"""eaglepipe.train.graphed: the whole training step replayed as a CUDA graph gives the eager fast step's losses and
 weights, call for call, across two row shapes (two graphs). CUDA only: skipped elsewhere with the reason. The
 step it captures (ttt_unroll_fast given static_rows) is tested on the CPU in tests/test_ttt.py."""
 
@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from test_ttt import _padded_case, draft  # noqa: F401  (draft: the fixture)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs exist only there")
@@ -18,7 +17,7 @@ def test_the_warm_up_is_undone_so_a_capturing_call_is_one_step(fused):
     """GraphedStep's warm-up runs real optimizer steps; _snapshot/_restore put the weights and AdamW's state back
     (state created meanwhile zeroed, its initial value), so one more step lands where one step from the start
     does (CPU: the AdamW here is the same update as the capturable one on CUDA)."""
-    from eaglepipe.graphed import _restore, _snapshot
+    from eaglepipe.train.graphed import _restore, _snapshot
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(5, 3))
@@ -54,9 +53,9 @@ def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
     """Six calls over two row shapes (graphs captured at calls 1 and 3, each after its warm-up, which the restore
     undoes), the first graph also replayed on other data of its shape (ids, features, soft targets): each call's
     loss and counts equal an eager fast step's, and the weights after all six."""
-    from eaglepipe.graphed import GraphedStep
-    from eaglepipe.target_head import SoftTargets
-    from eaglepipe.ttt import compile_draft, static_rows, ttt_unroll_fast
+    from eaglepipe.model.target_head import SoftTargets
+    from eaglepipe.train.graphed import GraphedStep
+    from eaglepipe.train.ttt import compile_draft, static_rows, ttt_unroll_fast
 
     embed = torch.randn(99, 32, device="cuda")
     cases = []
@@ -109,7 +108,7 @@ def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
 
 @CUDA
 def test_graphed_step_refuses_a_batch_of_another_shape(draft):  # noqa: F811
-    from eaglepipe.graphed import GraphedStep
+    from eaglepipe.train.graphed import GraphedStep
 
     params = list(draft.cuda().parameters())
     step = GraphedStep(lambda b, rows: None, params, torch.optim.AdamW(params, capturable=True))

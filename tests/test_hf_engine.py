@@ -76,7 +76,7 @@ def test_bad_ids_and_generate(engine):
 
 
 def test_sim_gap_scores_each_continuation_token_once(tiny_target):
-    """benchmarks/sim_gap.py's samples: the loss mask is over predictions (eaglepipe/template.py), so position t
+    """benchmarks/sim_gap.py's samples: the loss mask is over predictions (eaglepipe/data/template.py), so position t
     is scored iff token t + 1 is one the target generated: every generated token once, no prompt token, and
     features for every position."""
     from benchmarks.sim_gap import samples_on

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from eaglepipe import convention as conv
 from eaglepipe.cli import main
-from eaglepipe.inspect import format_report, inspect_draft
+from eaglepipe.contract import convention as conv
+from eaglepipe.contract.inspect import format_report, inspect_draft
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -38,11 +38,11 @@ def test_engine_names_and_packages_are_written_once():
 
 
 def test_the_targets_config_json_is_read_in_one_module():
-    """eaglepipe/target_config.py reads the target's config.json; other modules read only drafts' configs."""
-    reader = PACKAGE / "target_config.py"
+    """eaglepipe/target/config.py reads the target's config.json; other modules read only drafts' configs."""
+    reader = PACKAGE / "target" / "config.py"
     read = re.compile(r"""(\w+)\)?\s*/\s*["']config\.json["']\)?(\.exists\(\))?|load_target_config\(""")
     drafts = {"draft_dir", "drafter_dir", "tmp"}  # a draft's own config.json, not the target's
     offenders = [f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
                  for path, text in _sources("eaglepipe", "stages").items() if path != reader
                  for m in read.finditer(text) if m.group(1) not in drafts and not m.group(2)]
-    assert not offenders, "target config.json read outside eaglepipe/target_config.py:\n" + "\n".join(offenders)
+    assert not offenders, "target config.json read outside eaglepipe/target/config.py:\n" + "\n".join(offenders)

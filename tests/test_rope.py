@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from eaglepipe.draft import DraftConfig, Eagle3Draft, rope_cos_sin
 from eaglepipe.errors import ParamsError
-from eaglepipe.rope import RopeError, engine_fields, rope_parameters
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft, rope_cos_sin
+from eaglepipe.model.rope import RopeError, engine_fields, rope_parameters
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, vocab_size=99, max_position_embeddings=256)

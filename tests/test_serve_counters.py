@@ -26,7 +26,7 @@ def test_by_batch_size_keeps_first_and_all_equal():
 
 def test_compact_metrics_carry_the_speedup_at_each_batch_size():
     """serve.batch_sizes [1, 8]: dvc metrics get speedup_bs1 / speedup_bs8 beside the first run's figures."""
-    from eaglepipe.evaluate import compact_serve_metrics
+    from eaglepipe.serving.evaluate import compact_serve_metrics
 
     run = lambda tau, speedup: {"tau": tau, "acceptance_per_pos": [tau - 1, 0.0], "tokens_per_s_draft": 10.0,  # noqa: E731
                                 "tokens_per_s_plain": 10.0 / speedup, "speedup": speedup, "outputs_equal": True}
@@ -60,9 +60,9 @@ def test_sglang_probe_draft_makes_sglang_read_the_ids(tmp_path):
 
     from safetensors import safe_open
 
-    from eaglepipe import convention
+    from eaglepipe.contract import convention
     from eaglepipe.engines.sglang_probe import capture_server_args, has_capture_only_mode, probe_draft
-    from eaglepipe.tiny_targets import build
+    from eaglepipe.target.tiny import build
 
     target = build("llama", tmp_path / "t")
     cfg = json.loads((target / "config.json").read_text())

@@ -28,9 +28,9 @@ if importlib.util.find_spec("sglang") is None:  # pragma: no cover — any other
     pytest.skip("sglang is not installed; scripts/setup.sh installs sglang==0.5.23 --no-deps + "
                 "requirements-sglang.txt", allow_module_level=True)
 
-from eaglepipe import convention, validate  # noqa: E402
+from eaglepipe.contract import convention, validate  # noqa: E402
+from eaglepipe.data.features import FeatureSample  # noqa: E402
 from eaglepipe.engines.sglang import SGLangEngine, SGLangError, serve_eagle3  # noqa: E402
-from eaglepipe.features import FeatureSample  # noqa: E402
 
 N = 30  # SmolLM2-135M decoder layers
 ALL_IDS = list(range(N - 1))  # every id SGLang can capture for llama: id i = h[i+1], 0 ≤ i ≤ N-2
@@ -154,7 +154,7 @@ def test_origin_vllm_ids_are_one_layer_deep_on_sglang(engine, captured, sequence
 
 
 def test_validate_offsets_says_plus_one_against_real_sglang(engine, captured, sequences, hf_states, monkeypatch):
-    """validate_offsets (eaglepipe.validate.check_offsets) run against SGLang: the correct export passes; an
+    """validate_offsets (eaglepipe.contract.validate.check_offsets) run against SGLang: the correct export passes; an
     export written in vLLM's meaning (the translator bug behind the project) fails and says "+1"."""
     samples = [
         FeatureSample(id=f"s{j}", input_ids=torch.tensor(s), loss_mask=torch.ones(len(s), dtype=torch.bool),

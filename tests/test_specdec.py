@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eaglepipe.draft import DraftConfig, Eagle3Draft
-from eaglepipe.specdec import Eagle3Drafter, SpecStats, Target, greedy_generate, speculative_generate
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft
+from eaglepipe.serving.specdec import Eagle3Drafter, SpecStats, Target, greedy_generate, speculative_generate
 
 PROMPTS = [[5, 17, 33, 2, 90, 4], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18]]
 EOS: set[int] = set()  # no EOS: every decode runs to max_new_tokens

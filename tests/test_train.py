@@ -16,9 +16,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglepipe.features import FeatureSample, ShardWriter
+from eaglepipe.data.features import FeatureSample, ShardWriter
 from eaglepipe.params import TrainParams
-from eaglepipe.train import lr_factor, pack, pack_by_length, padding_fraction, split_samples, train_drafter
+from eaglepipe.train.loop import lr_factor, pack, pack_by_length, padding_fraction, split_samples, train_drafter
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_stopped_run_resumes_onto_the_same_curve(features, tiny_target, tmp_path
 DDP_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from eaglepipe.params import TrainParams
-    from eaglepipe.train import train_drafter
+    from eaglepipe.train.loop import train_drafter
     torch.set_num_threads(1)
     features, target, out, scratch, params = sys.argv[1:6]
     s = train_drafter(features, target, out, TrainParams(**json.loads(params)), scratch_dir=scratch)
@@ -193,7 +193,7 @@ def _copy_features(features: Path, dst: Path, poison: dict | None = None) -> Pat
 
     from safetensors import safe_open
 
-    from eaglepipe.features import save_shard
+    from eaglepipe.data.features import save_shard
 
     shutil.copytree(features, dst)
     man = json.loads((dst / "manifest.json").read_text())
@@ -212,14 +212,14 @@ def _copy_features(features: Path, dst: Path, poison: dict | None = None) -> Pat
 
 
 def _train_ids(features: Path, p: TrainParams) -> list[str]:
-    from eaglepipe.features import FeatureSet
+    from eaglepipe.data.features import FeatureSet
 
     return [r.id for r in split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]]
 
 
 def test_sample_longer_than_batch_tokens_is_refused(features, tiny_target, tmp_path):
+    from eaglepipe.data.features import FeatureSet
     from eaglepipe.errors import TrainingError
-    from eaglepipe.features import FeatureSet
 
     longest = max(FeatureSet(features).refs, key=lambda r: r.n_tokens)
     n_long = sum(r.n_tokens > 16 for r in FeatureSet(features).refs)
@@ -234,8 +234,8 @@ def test_sample_longer_than_batch_tokens_is_refused(features, tiny_target, tmp_p
 def test_first_non_finite_finds_the_first_bad_sample_with_one_reduction():
     """The row-wise check: the first sample with a NaN/inf in aux or last, its tensor and exact count; a
     finite sample whose float32 sum overflows is not flagged; tokens-store samples without features pass."""
-    from eaglepipe.features import FeatureSample
-    from eaglepipe.train import first_non_finite
+    from eaglepipe.data.features import FeatureSample
+    from eaglepipe.train.loop import first_non_finite
 
     def sample(i, aux=0.0, last=0.0, features=True):
         ids = torch.arange(4)
@@ -269,9 +269,9 @@ def test_nan_in_a_shard_stops_training_naming_it(features, tiny_target, tmp_path
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(features, tiny_target, tmp_path):
     """Finite but huge features (3e38) overflow the draft to a NaN loss: training stops before that optimizer
     step, names the step's samples, and leaves the checkpoint of the step before it, whose weights are finite."""
+    from eaglepipe.data.features import FeatureSet
     from eaglepipe.errors import TrainingError
-    from eaglepipe.features import FeatureSet
-    from eaglepipe.train import epoch_rows
+    from eaglepipe.train.loop import epoch_rows
 
     p = _params(epochs=1, checkpoint_every=1)
     train = split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]
@@ -336,7 +336,7 @@ def test_fast_step_trains_the_same_and_lm_head_can_be_frozen(features, tiny_targ
                            scratch_dir=tmp_path / "sc")
     w, init = load_file(str(tmp_path / "c" / "model.safetensors")), load_file(str(tmp_path / "a" / "model.safetensors"))
     assert frozen["steps"] > 0 and not torch.equal(w["fc.weight"], init["fc.weight"])
-    from eaglepipe.target_head import load_target_head
+    from eaglepipe.model.target_head import load_target_head
 
     head = load_target_head(tiny_target)
     torch.testing.assert_close(w["lm_head.weight"], head.lm_head[w["t2d"]], rtol=0, atol=0)  # never trained
@@ -346,7 +346,7 @@ def test_sim_gap_reproduces_the_held_out_evaluation(features, tiny_target, tmp_p
     """benchmarks/sim_gap.py's ``sim`` on train_drafter's own held-out samples gives the kept (best) epoch's
     evaluation: the same per-step accuracies, so its τ_sim on serving prompts compares like with like."""
     from benchmarks.sim_gap import sim
-    from eaglepipe.features import FeatureSet
+    from eaglepipe.data.features import FeatureSet
 
     p = _params(epochs=4, lr=1e-2)
     s = train_drafter(features, tiny_target, tmp_path / "drafter", p, scratch_dir=tmp_path / "scratch")
@@ -361,7 +361,7 @@ def test_sim_gap_reproduces_the_held_out_evaluation(features, tiny_target, tmp_p
 def test_compile_stats_counts_what_torch_compile_compiled():
     """The epoch log's compile figures come from dynamo's own counters: a new compiled function adds one graph
     and its compile seconds."""
-    from eaglepipe.train import compile_stats
+    from eaglepipe.train.loop import compile_stats
 
     graphs, seconds = compile_stats()
     f = torch.compile(lambda x: (x * 3).cos().sum(), dynamic=False)
@@ -376,9 +376,9 @@ def test_compile_stats_counts_what_torch_compile_compiled():
 def test_best_epoch_so_far_is_kept_from_a_run_still_training(features, tiny_target, tmp_path):
     """save_best_so_far: nothing before the first eval; after it, the checkpoint's best weights, written as
     train_drafter writes its draft (load_draft reads them), with the epochs ended and the run's own figures."""
-    from eaglepipe.draft import load_draft
     from eaglepipe.errors import EaglepipeError
-    from eaglepipe.train import save_best_so_far
+    from eaglepipe.model.draft import load_draft
+    from eaglepipe.train.loop import save_best_so_far
 
     p = _params(epochs=2)  # 5 optimizer steps an epoch (test_stopped_run_resumes_onto_the_same_curve)
     with pytest.raises(EaglepipeError, match="no training checkpoint"):

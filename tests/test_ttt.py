@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglepipe.draft import DraftConfig, Eagle3Draft, repeat_kv
-from eaglepipe.target_head import SoftTargets, load_target_head, soft_targets
-from eaglepipe.ttt import Batch, TTTAttention, align_step, tau_sim, ttt_mask, ttt_unroll
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft, repeat_kv
+from eaglepipe.model.target_head import SoftTargets, load_target_head, soft_targets
+from eaglepipe.train.ttt import Batch, TTTAttention, align_step, tau_sim, ttt_mask, ttt_unroll
 
 torch.set_num_threads(1)
 
@@ -137,7 +137,7 @@ def test_loss_and_accuracy_rules(draft):
     soft = _soft(6, 8, [1, 1, 1, 1, 0, 1])
     r = ttt_unroll(draft, embed, b, soft, steps=2, decay=0.5)
     # recompute step 0 by hand: counted t ∈ {0, 3}, trained t ∈ {0} (p_4's top-1 is out of vocabulary)
-    from eaglepipe.ttt import TTTAttention as A
+    from eaglepipe.train.ttt import TTTAttention as A
 
     out = draft.layer(embed[torch.tensor([[11, 12, 20, 21, 22, 0]])], draft.project(b.aux), b.positions, A(b.doc).attend)
     logp = torch.log_softmax(draft.logits(out), -1)[0]
@@ -186,7 +186,7 @@ def test_soft_targets_match_the_hf_target(tiny_target):
 def test_ttt_steps_equal_the_serving_chain(draft):
     """Step j at position t of the unroll == the j-th draft forward of a KV-cache decoder that accepted x_0..x_{t+1}
     and drafts with teacher-forced tokens: same keys visible, same RoPE positions, same fed-back hidden state."""
-    from eaglepipe.draft import KVCache, draft_step
+    from eaglepipe.model.draft import KVCache, draft_step
 
     torch.manual_seed(3)
     embed = torch.randn(99, 32)
@@ -260,7 +260,7 @@ def test_cuda_graph_replays_of_the_compiled_draft_give_the_plain_loss_and_gradie
     gradients, so the benchmark's -cg rows time the same computation."""
     import copy
 
-    from eaglepipe.ttt import compile_draft
+    from eaglepipe.train.ttt import compile_draft
 
     plain, cg = draft.cuda(), copy.deepcopy(draft).cuda()
     compile_draft(cg, mode="reduce-overhead")
@@ -284,8 +284,8 @@ def test_cuda_graph_replays_of_the_compiled_draft_give_the_plain_loss_and_gradie
 def test_evaluation_with_autograd_on_reuses_the_training_graphs(draft):
     """train.evaluate's reason to keep autograd on under train.fast: a forward with grad on after a training step
     compiles nothing new, one under no_grad compiles its own graphs (dynamo guards on the grad mode)."""
-    from eaglepipe.train import compile_stats
-    from eaglepipe.ttt import compile_draft
+    from eaglepipe.train.loop import compile_stats
+    from eaglepipe.train.ttt import compile_draft
 
     torch._dynamo.reset()
     d = draft.cuda()
@@ -327,7 +327,7 @@ def _layer_lengths(draft):
 def test_later_steps_run_only_where_the_loss_reads_them(draft, steps, fast):
     """The unroll of one row (B = 1) computes steps ≥ 1 at chain_rows only; the same row twice (B = 2: every
     position, the mean over both equals one row's) gives the same loss, counts and gradients."""
-    from eaglepipe.ttt import chain_rows
+    from eaglepipe.train.ttt import chain_rows
 
     embed = torch.randn(99, 32)
     b, soft = _packed_case()
@@ -363,7 +363,7 @@ def test_flex_fast_path_forward_equals_the_plain_path(draft, T, monkeypatch):
     chain rows), forced on the CPU: eager flex_attention, forward only (no CPU backward). Same loss and counts
     as the plain path; the layer runs at the padded lengths."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from eaglepipe import ttt
+    from eaglepipe.train import ttt
 
     monkeypatch.setattr(ttt, "uses_flex", lambda head_dim, device: True)
     embed = torch.randn(99, 32)
@@ -390,7 +390,7 @@ def test_flex_fast_path_forward_equals_the_plain_path(draft, T, monkeypatch):
 @pytest.mark.parametrize("fast", [False, True])
 def test_padding_a_row_to_one_length_changes_nothing(draft, fast):
     """pad_batch (the fast path's one row shape on CUDA): same loss, counts and gradients as the unpadded row."""
-    from eaglepipe.ttt import PAD_DOC, pad_batch, padded_length
+    from eaglepipe.train.ttt import PAD_DOC, pad_batch, padded_length
 
     embed = torch.randn(99, 32)
     b, soft = _packed_case()
@@ -418,7 +418,7 @@ def test_padding_a_row_to_one_length_changes_nothing(draft, fast):
 
 
 def test_soft_ce_chunks_equal_one_product():
-    from eaglepipe.ttt import soft_ce
+    from eaglepipe.train.ttt import soft_ce
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 11, 16, generator=g, requires_grad=True)
@@ -442,7 +442,7 @@ def test_flex_attention_equals_dense_masked_attention():
     """The flex mask (over [step 0 | … | step j] keys, block-sparse, extended by one diagonal per step) against
     the dense TTT mask; forward only (flex_attention has no CPU backward; the GPU benchmark checks gradients)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from eaglepipe.ttt import BLOCK, FlexTTTAttention
+    from eaglepipe.train.ttt import BLOCK, FlexTTTAttention
 
     torch.manual_seed(0)
     T = 2 * BLOCK
@@ -467,7 +467,7 @@ def test_flex_masks_at_fixed_addresses_give_the_same_attention(monkeypatch):
     pytest.importorskip("torch.nn.attention.flex_attention")
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eaglepipe import ttt
+    from eaglepipe.train import ttt
 
     masks = []
 
@@ -497,7 +497,7 @@ def test_flex_masks_at_fixed_addresses_give_the_same_attention(monkeypatch):
 def test_flex_attention_only_on_cuda_for_heads_of_16_or_more():
     """ttt.uses_flex: Inductor's flex_attention kernel refuses head_dim < 16 (the H200, torch 2.11), and the CPU
     has no fast flex kernel; the fast path attends plainly there (test_fast_path_equals_the_plain_path holds)."""
-    from eaglepipe.ttt import uses_flex
+    from eaglepipe.train.ttt import uses_flex
 
     assert [uses_flex(hd, "cuda") for hd in (8, 15, 16, 64, 128)] == [False, False, True, True, True]
     assert not uses_flex(128, "cpu") and uses_flex(64, torch.device("cuda", 1))
@@ -515,7 +515,7 @@ def _block_table(num: torch.Tensor, idx: torch.Tensor, nkv: int) -> torch.Tensor
 def _kernel_mask(bm) -> torch.Tensor:
     """The (Q, KV) mask flex_attention's CUDA kernel applies for BlockMask ``bm`` (B = 1): every key of a full
     block, mask_mod in a partial block, nothing elsewhere (eager flex on the CPU evaluates mask_mod alone)."""
-    from eaglepipe.ttt import BLOCK
+    from eaglepipe.train.ttt import BLOCK
 
     Q, KV = bm.seq_lengths
     expand = lambda t: t.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)  # noqa: E731 (nq, nkv) → (Q, KV)
@@ -534,7 +534,7 @@ def test_compacted_flex_attention_equals_ttt_attention(lens, monkeypatch):
     pytest.importorskip("torch.nn.attention.flex_attention")
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eaglepipe import ttt
+    from eaglepipe.train import ttt
 
     torch.manual_seed(0)
     lens, T = torch.tensor(lens), 1024
@@ -600,7 +600,7 @@ class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _padded_case(T: int, Tp: int):
     """_packed_case(T) prompt-reply, and the same padded to Tp (pad_batch; soft targets padded to match)."""
-    from eaglepipe.ttt import pad_batch
+    from eaglepipe.train.ttt import pad_batch
 
     b, soft = _packed_case(T)
     b = _prompt_reply(b)
@@ -613,10 +613,10 @@ def _padded_case(T: int, Tp: int):
 
 @pytest.mark.parametrize("steps", [1, 3, 5])
 def test_static_rows_give_the_plain_results_and_the_host_never_waits(draft, steps):
-    """ttt_unroll_fast given static_rows (what eaglepipe.graphed captures): the plain path's loss, counts and
+    """ttt_unroll_fast given static_rows (what eaglepipe.train.graphed captures): the plain path's loss, counts and
     gradients, with no op that reads a device value back (HostSyncs), forward and backward; the step without
     them does read back (the detector sees its nonzero)."""
-    from eaglepipe.ttt import bucket_length, static_rows, ttt_unroll_fast
+    from eaglepipe.train.ttt import bucket_length, static_rows, ttt_unroll_fast
 
     embed = torch.randn(99, 32)
     b, soft, _, _ = _padded_case(700, 700)
@@ -648,7 +648,7 @@ def test_static_rows_on_the_flex_path_give_the_plain_results_and_the_host_never_
     """The same as it runs on CUDA (flex attention, the row padded to BLOCK), forced on the CPU: eager
     flex_attention, forward only (no CPU backward); the block masks are built from the rows without a read-back."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from eaglepipe import ttt
+    from eaglepipe.train import ttt
 
     monkeypatch.setattr(ttt, "uses_flex", lambda head_dim, device: True)
     flex = ttt.flex_attention_fn()

@@ -5,11 +5,11 @@ import re
 import pytest
 import torch
 
-from eaglepipe import convention
+from eaglepipe.contract import convention
+from eaglepipe.contract.validate import check_offsets, require_ok
+from eaglepipe.data.features import FeatureSample
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.errors import CaptureMismatch
-from eaglepipe.features import FeatureSample
-from eaglepipe.validate import check_offsets, require_ok
 
 SEQS = [[5, 17, 33, 2, 90, 4, 61, 7], [7, 8, 9, 10, 11]]
 
@@ -89,7 +89,7 @@ def bf16_engine(tiny_target):
 def test_real_numerics_gap_is_named_at_offset_0_with_its_size(engine, bf16_engine, stored_fp32):
     """fp32 features against a bf16 engine: best match at the exported id, relative L2 measured above the
     threshold (thresholds are params; the tiny model's bf16 gap is ~0.3 %, so they are tight here)."""
-    from eaglepipe.validate import reference_capture
+    from eaglepipe.contract.validate import reference_capture
 
     ref = reference_capture(engine, "llama", 4, [2], stored_fp32)  # the same engine in fp32: the baseline
     rep = check_offsets(bf16_engine, "llama", 4, [2], stored_fp32, search=2, min_cosine=0.999999, max_rel_l2=1e-3,
@@ -129,7 +129,7 @@ def test_neighbours_are_boundaries_under_sglang_deepseek_first_id_rule():
     The case that failed on the H200 (6-layer kimi_k2, stored h[3..5], search 2): the id-wise union
     [1..5] is read as h[2..6], and h[6] is past SGLang's capture loop ("captured 4 of 5 aux hidden states").
     """
-    from eaglepipe.validate import _neighbour_ids
+    from eaglepipe.contract.validate import _neighbour_ids
 
     can = set(convention.capturable("sglang", "deepseek_v3", 6))
     ids, fed = _neighbour_ids("sglang", "deepseek_v3", [3, 4, 5], can, 2, 6)
@@ -164,7 +164,7 @@ def test_report_json_is_stable_across_an_fp32_ulp_of_relative_l2():
     fresh clones (0.0016593665350228548 / 0.0016593668842688203), so the report rounds it to 6 digits."""
     import json
 
-    from eaglepipe.validate import LayerReport, OffsetReport
+    from eaglepipe.contract.validate import LayerReport, OffsetReport
 
     def report(rel, cos1):
         layer = LayerReport(boundary=2, engine_id=2, cosine=0.9999988079071045, rel_l2=rel, best_offset=0,

@@ -215,11 +215,11 @@ def test_shifted_ids_capture_the_next_boundary(engine, sequences, hf_states, cap
 
 def test_validate_offsets_against_real_vllm(engine, smollm2_dir, sequences, monkeypatch):
     """The offset gate with real vLLM: the translator's ids pass; a planted +1 bug fails and names "+1"."""
-    from eaglepipe import convention
+    from eaglepipe.contract import convention
+    from eaglepipe.contract.validate import check_offsets, require_ok
+    from eaglepipe.data.features import FeatureSample
     from eaglepipe.engines.hf import HFEngine
     from eaglepipe.errors import CaptureMismatch
-    from eaglepipe.features import FeatureSample
-    from eaglepipe.validate import check_offsets, require_ok
 
     seqs = sequences[:2]
     caps = HFEngine(smollm2_dir).capture(seqs, [2, 15, 27, N])  # stored features, as extract --engine hf
@@ -289,8 +289,8 @@ def test_target_as_its_own_draft_accepts_everything(engine, smollm2_dir, prompts
 IN_PROCESS_SCRIPT = """
 import os, sys
 from pathlib import Path
-from eaglepipe.tiny_targets import build
-from eaglepipe.target import materialize_target
+from eaglepipe.target.tiny import build
+from eaglepipe.target.info import materialize_target
 from eaglepipe.engines import get_engine
 w = Path(sys.argv[1])
 materialize_target(str(build("llama", w / "src")), w / "target")

@@ -42,13 +42,13 @@ def trained(tmp_path_factory):
     """(target_dir, drafter_dir, export_dir, eval prompts) for a tiny llama3-RoPE target."""
     from transformers import AutoTokenizer
 
-    from eaglepipe.export import export_all
-    from eaglepipe.extract import extract
+    from eaglepipe.data.extract import extract
+    from eaglepipe.data.template import generation_prompt
     from eaglepipe.params import ExtractParams, TrainParams
-    from eaglepipe.target import materialize_target
-    from eaglepipe.template import generation_prompt
-    from eaglepipe.tiny_targets import build
-    from eaglepipe.train import train_drafter
+    from eaglepipe.serving.export import export_all
+    from eaglepipe.target.info import materialize_target
+    from eaglepipe.target.tiny import build
+    from eaglepipe.train.loop import train_drafter
 
     w = tmp_path_factory.mktemp("llama3")
     info = materialize_target(str(build("llama-llama3", w / "src")), w / "target")
@@ -66,7 +66,7 @@ def trained(tmp_path_factory):
 
 def test_vllm_tau_equals_reference_tau_on_llama3_rope(trained, tmp_path):
     from eaglepipe.engines.vllm import serve_eagle3
-    from eaglepipe.evaluate import reference_eval
+    from eaglepipe.serving.evaluate import reference_eval
 
     target, drafter, export, prompts = trained
     cfg = json.loads((export / "vllm" / "config.json").read_text())
@@ -92,7 +92,7 @@ def test_control_the_same_draft_served_with_plain_rope_gives_another_tau(trained
     import shutil
 
     from eaglepipe.engines.vllm import serve_eagle3
-    from eaglepipe.evaluate import reference_eval
+    from eaglepipe.serving.evaluate import reference_eval
 
     target, drafter, export, prompts = trained
     plain = tmp_path / "plain"
@@ -118,10 +118,10 @@ def test_vllm_builds_the_draft_mlp_from_the_draft_config(trained, tmp_path):
     """
     import dataclasses
 
-    from eaglepipe.draft import CONFIG_FILE, Eagle3Draft, load_draft, save_draft
     from eaglepipe.engines.vllm import serve_eagle3
-    from eaglepipe.evaluate import reference_eval
-    from eaglepipe.export import export_all
+    from eaglepipe.model.draft import CONFIG_FILE, Eagle3Draft, load_draft, save_draft
+    from eaglepipe.serving.evaluate import reference_eval
+    from eaglepipe.serving.export import export_all
 
     target, drafter, export, prompts = trained
     narrow = load_draft(drafter)

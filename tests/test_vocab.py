@@ -2,8 +2,8 @@
 
 import torch
 
-from eaglepipe.features import FeatureSample
-from eaglepipe.vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
+from eaglepipe.data.features import FeatureSample
+from eaglepipe.model.vocab import build_draft_vocab, count_predicted_tokens, vocab_stats
 
 
 def _sample(ids, mask):

@@ -11,11 +11,11 @@ import importlib
 import inspect
 from pathlib import Path
 
-from ..engine_table import NAMES as ENGINES
-from ..engine_table import TABLE
-from ..engine_table import installed_version as engine_version
-from ..errors import ParamsError
-from .base import Engine
+from eaglepipe.engine_table import NAMES as ENGINES
+from eaglepipe.engine_table import TABLE
+from eaglepipe.engine_table import installed_version as engine_version
+from eaglepipe.engines.base import Engine
+from eaglepipe.errors import ParamsError
 
 __all__ = ["ENGINES", "Engine", "engine_class", "engine_version", "get_engine"]
 
@@ -24,10 +24,6 @@ def engine_class(name: str) -> type[Engine]:
     """The :class:`Engine` subclass of engine ``name``. Raises ParamsError for an unknown name."""
     if name not in TABLE:
         raise ParamsError(f"engine {name!r} is unknown; allowed: {', '.join(ENGINES)}")
-    # Imported statically too, so that every engine module is in a stage's import closure (dvc.yaml deps and
-    # extract's resume key, eaglepipe/sources.py); cheap: none of them imports its engine package at import.
-    from . import hf, sglang, vllm  # noqa: F401
-
     return getattr(importlib.import_module(TABLE[name].module), TABLE[name].cls)
 
 

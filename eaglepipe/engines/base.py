@@ -2,7 +2,7 @@
 
 Id spaces: :meth:`Engine.capture` takes layer ids **in the engine's own meaning** (what that engine's
 draft ``config.json`` or capture option would say), never boundary indices. Translating boundary indices
-h[k] to those ids is :mod:`eaglepipe.convention`'s job alone; an engine adds no +1 of its own.
+h[k] to those ids is :mod:`eaglepipe.contract.convention`'s job alone; an engine adds no +1 of its own.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ from pathlib import Path
 
 import torch
 
-from ..engine_table import installed_version
-from ..errors import ServingUnavailable
-from ..target import TargetInfo, read_info
+from eaglepipe.engine_table import installed_version
+from eaglepipe.errors import ServingUnavailable
+from eaglepipe.target.info import TargetInfo, read_info
 
 
 class Engine(ABC):
     """A target model loaded in one engine.
 
     Attributes:
-        name: "hf" | "vllm" | "sglang" (the key of :mod:`eaglepipe.convention`'s rules).
+        name: "hf" | "vllm" | "sglang" (the key of :mod:`eaglepipe.contract.convention`'s rules).
         target_dir: the HF folder of the target.
-        info: the target's :class:`eaglepipe.target.TargetInfo` (family, N, hidden, ...): passed in, else read
+        info: the target's :class:`eaglepipe.target.info.TargetInfo` (family, N, hidden, ...): passed in, else read
             from ``target_dir`` once; the engine's capture reuse asks the convention with ``info.family``.
         n_layers: N of the target (``info.n_layers``).
     """
@@ -63,20 +63,7 @@ class Engine(ABC):
             per sequence a float32 tensor (T, len(ids), H), the captured hidden states in the order of ``ids``.
         """
 
-    # ---------------------------------------------------------------- serving (eaglepipe/engines/serve.py)
-
-    def serve_eagle3(self, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
-                     batch_sizes: tuple = (None,)) -> dict:
-        """Serve ``draft_dir`` with this engine's EAGLE-3 (k drafted tokens per step) and the target without it.
-
-        Greedy, same prompts (token ids) and ``max_new_tokens``, timed at each of ``batch_sizes``; τ and
-        acceptance per position from the engine's own counters. Returns
-        :func:`eaglepipe.engines.serve.measure`'s dict. Raises ServingUnavailable where this engine cannot
-        serve EAGLE-3 here (nothing is started then).
-        """
-        from .serve import measure
-
-        return measure(self, draft_dir, prompts, k, max_new_tokens, batch_sizes)
+    # ------------------------------- serving (measured by eaglepipe/engines/serve.py's measure(engine, ...))
 
     def eagle3_args(self, draft_dir: str | Path, k: int) -> dict:
         """Keyword arguments of :meth:`generate_timed` that start an instance drafting with ``draft_dir``.
@@ -98,7 +85,7 @@ class Engine(ABC):
 
     def start_generation(self) -> None:
         """Start now what :meth:`generate` needs, instead of at its first call (extract's workers start their
-        engines one at a time, eaglepipe/extract.py). Default: nothing to start (an engine loaded at
+        engines one at a time, eaglepipe/data/extract.py). Default: nothing to start (an engine loaded at
         construction)."""
 
     def start_capture(self, ids: list[int]) -> None:

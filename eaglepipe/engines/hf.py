@@ -1,6 +1,6 @@
 """The ``hf`` engine: transformers' own model, captured with hooks on the decoder layers.
 
-Ids are boundary indices h[k] as :mod:`eaglepipe.convention` defines them (engine "hf" is its identity rule);
+Ids are boundary indices h[k] as :mod:`eaglepipe.contract.convention` defines them (engine "hf" is its identity rule);
 this module is how they are taken: k < N by a forward pre-hook on ``layers[k]`` (its input), k = N by a
 forward hook on ``layers[N-1]`` (its output, before the final norm). HF's own ``output_hidden_states[N]`` is
 post-norm (transformers replaces the last entry with ``last_hidden_state``), which is why it is not used.
@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import ParamsError
-from .base import Engine
+from eaglepipe.engines.base import Engine
+from eaglepipe.errors import ParamsError
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class HFEngine(Engine):
     def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
                  info=None, quantization: str | None = None, compile: bool = False, **_):
         super().__init__(target_dir, dtype, info)
-        if quantization is not None:  # params refuse it first (eaglepipe/quantization.py); a direct caller here
+        if quantization is not None:  # params refuse it first (eaglepipe/target/quantization.py); a direct caller here
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
                               f"quantization {quantization!r} needs engine vllm or sglang")
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -124,7 +124,7 @@ class HFEngine(Engine):
         ``batch_size`` sequences, or with ``token_budget`` as many as fit in that many padded tokens (batch × its
         longest; a longer sequence runs alone). Runs the base model only (no lm_head). Raises ValueError for ids
         outside [0, N].
-        on_device: keep the results on the model's device (online training, eaglepipe/online.py), not the CPU;
+        on_device: keep the results on the model's device (online training, eaglepipe/train/online.py), not the CPU;
         they are inference tensors either way (copy or cat them before autograd saves them).
         """
         bad = [k for k in ids if not 0 <= k <= self.n_layers]

@@ -2,7 +2,7 @@
 target served without it, greedy, same prompts and ``max_new_tokens``, at one or more batch sizes.
 
 τ (mean acceptance length) = tokens produced per target forward, the bonus token included, prefill not
-counted: the reference decoder's (:mod:`eaglepipe.specdec`) definition. Each engine's figures come from its
+counted: the reference decoder's (:mod:`eaglepipe.serving.specdec`) definition. Each engine's figures come from its
 own counters:
 
 - vLLM: spec-decode Prometheus counters of ``LLM.get_metrics()`` (:func:`spec_counters`), differences of two
@@ -44,7 +44,7 @@ def serve_eagle3(
     Raises:
         ServingUnavailable (before anything starts) where the engine cannot serve EAGLE-3 here.
     """
-    from . import get_engine
+    from eaglepipe.engines import get_engine
 
     own = engine is None
     engine = engine or get_engine(name, target_dir, **engine_opts)

@@ -2,7 +2,7 @@
 
 Ids are SGLang's own, passed through untouched exactly as a draft's ``config.json`` would hand them to
 SGLang (its model class's ``set_eagle3_layers_to_capture`` makes of them what it makes); which boundary h[k]
-each id is, per family and version, is :data:`eaglepipe.convention.RULES` alone.
+each id is, per family and version, is :data:`eaglepipe.contract.convention.RULES` alone.
 
 Capture path: the one that feeds a drafter at serving time. The target runs in SGLang's capture-only
 EAGLE-3 mode (server args ``enable_return_aux_hidden_states=True``, ``speculative_algorithm="EAGLE3"``
@@ -19,10 +19,10 @@ instances; one SGLang instance ("mode") runs at a time:
 
 - ``("capture", ids)``: capture-only mode for exactly those ids. The ids are server arguments, so other ids
   need a new instance (~20–40 s on 2 cores) unless ``capture_ids`` declared a superset up front and the
-  superset gives every requested id the same meaning (:func:`eaglepipe.convention.same_meaning` decides).
+  superset gives every requested id the same meaning (:func:`eaglepipe.contract.convention.same_meaning` decides).
 - ``("generate",)``: a plain instance. ``generate`` reuses a running capture instance instead of starting
   one (capture-only mode records aux states but leaves sampling untouched).
-- EAGLE-3 serving (:meth:`Engine.serve_eagle3`, measured in :mod:`.serve`): CUDA only — SGLang's EAGLE-3
+- EAGLE-3 serving (:func:`eaglepipe.engines.serve.serve_eagle3`): CUDA only — SGLang's EAGLE-3
   worker needs its GPU kernels (tree building/verification, draft KV bookkeeping: the ``*_cpu`` ops of
   sgl_kernel that the shim refuses).
 """
@@ -39,13 +39,13 @@ from pathlib import Path
 
 import torch
 
-from .. import convention
-from ..errors import ConventionError, ServingUnavailable
-from . import serve
-from .base import Engine
-from .serve import groups
-from .sglang_worker import SHIM_ENV, SGLangError, Worker, worker_main
-from .sglang_probe import capture_server_args
+from eaglepipe.contract import convention
+from eaglepipe.engines import serve
+from eaglepipe.engines.base import Engine
+from eaglepipe.engines.serve import groups
+from eaglepipe.engines.sglang_probe import capture_server_args
+from eaglepipe.engines.sglang_worker import SHIM_ENV, SGLangError, Worker, worker_main
+from eaglepipe.errors import ConventionError, ServingUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class SGLangEngine(Engine):
         engine_kwargs: further ``sglang.Engine`` server arguments for every instance, over those in the
             environment variable ``EAGLEPIPE_SGLANG_ARGS`` (JSON).
         quantization: SGLang's ``quantization`` server argument for the target (e.g. "fp8"; names checked by
-            :mod:`eaglepipe.quantization`).
+            :mod:`eaglepipe.target.quantization`).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2}.
         n_layers: N of the target.

@@ -42,15 +42,15 @@ def has_capture_only_mode() -> bool:
 def probe_draft(target_dir: Path, ids: list[int], work_dir: Path, dtype: str = "float32") -> Path:
     """Write (once per target and ids) a LlamaForCausalLMEagle3 folder that makes SGLang capture ``ids``.
 
-    Returns the folder. Shapes follow the target's ``config.json`` (eaglepipe.draft.DraftConfig.from_target);
+    Returns the folder. Shapes follow the target's ``config.json`` (eaglepipe.model.draft.DraftConfig.from_target);
     ``num_aux_hidden_states`` = len(ids), so the draft's fc takes the packed states SGLang captures.
     """
     from safetensors.torch import save_file
 
-    from .. import convention
-    from ..draft import DraftConfig, Eagle3Draft
-    from ..export import draft_config_json
-    from ..target_config import lm_fields, read_target_config
+    from eaglepipe.contract import convention
+    from eaglepipe.model.draft import DraftConfig, Eagle3Draft
+    from eaglepipe.serving.export import draft_config_json
+    from eaglepipe.target.config import lm_fields, read_target_config
 
     text_cfg = lm_fields(read_target_config(target_dir))
     # keyed by the target's config (not its path): a folder rewritten with another model gets its own probe

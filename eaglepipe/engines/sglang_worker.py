@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from ..errors import CaptureMismatch, EaglepipeError
+from eaglepipe.errors import CaptureMismatch, EaglepipeError
 
 # The module run as the worker (``python -m``): its ``__main__`` / ``__mp_main__`` block installs the CPU
 # stand-ins before anything imports sglang, in the worker and in every process SGLang spawns from it.

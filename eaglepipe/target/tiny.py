@@ -1,0 +1,113 @@
+"""Tiny random targets of every family the translator names, saved as local HF folders (tests, support matrix).
+
+Sizes are the smallest the real engines run on CPU: vLLM's CPU attention rejects head_dim 16, so head_dim is
+32 (hidden 64, 2 heads); vLLM's CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), and its CUDA
+MLA prefill only DeepSeek's own head dims (qk_nope, qk_rope, v) = (128, 64, 128)
+(vllm/v1/attention/backends/mla/prefill/flash_attn.py ``supports_mla_dimensions``, seen on the H200); DeepSeek
+configs say ``topk_method: noaux_tc`` (vLLM's DeepSeek MoE router). Their MoE routes top-2 of 4 experts in 2
+groups, as real DeepSeek-V3 / Kimi-K2 checkpoints route top-k > 1 (8 of 256): SGLang 0.5.17's triton fused MoE
+sums a never-written buffer for top-1 routing with a routed_scaling_factor other than 1
+(``layers/moe/moe_runner/triton_utils/fused_moe.py _fused_moe_kernel_sequence``; sglang PR #40187), which the
+earlier top-1 tiny target hit on the H200 (benchmarks/sglang_moe_variants.py). Vocabulary: a character-level
+tokenizer with ChatML specials and chat template (ids < 99).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from eaglepipe.target.config import read_target_config, write_target_config
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1000000.0}
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
+             num_key_value_heads=1, vocab_size=99, max_position_embeddings=512, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_MLA = dict(num_key_value_heads=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=None,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+            n_group=2, topk_group=2, topk_method="noaux_tc", n_shared_experts=1, moe_layer_freq=1, scoring_func="sigmoid", ep_size=1,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 128,
+                             "rope_theta": 10000.0})
+
+# name -> (transformers config class, extra kwargs, model_type written to config.json, rope_type)
+FAMILIES: dict[str, tuple[str, dict, str | None, str]] = {
+    "llama": ("LlamaConfig", dict(head_dim=32), None, "default"),
+    "llama-llama3": ("LlamaConfig", dict(head_dim=32, rope_parameters=LLAMA3_ROPE), None, "llama3"),
+    "qwen2": ("Qwen2Config", dict(), None, "default"),  # q/k/v carry a bias in Qwen2
+    "qwen3": ("Qwen3Config", dict(head_dim=32), None, "default"),
+    "mistral": ("MistralConfig", dict(head_dim=32, sliding_window=None), None, "default"),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=32, num_local_experts=2, num_experts_per_tok=1, sliding_window=16,
+                                     layer_types=["sliding_attention", "full_attention"] * 3,
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 128}), None, "yarn"),
+    "deepseek_v3": ("DeepseekV3Config", dict(_MLA), None, "yarn"),
+    "kimi_k2": ("DeepseekV3Config", dict(_MLA), "kimi_k2", "yarn"),
+    "qwen2-yarn": ("Qwen2Config", dict(rope_parameters=YARN_ROPE), None, "yarn"),
+}
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer (ids < 99) with ChatML specials and template."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "[UNK]"]
+    chars = string.ascii_letters + string.digits + " \n.,!?'-:"
+    vocab = {t: i for i, t in enumerate(specials + list(chars))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_special_tokens(specials[:3])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="[UNK]", chat_template=CHATML,
+    )
+
+
+def build(name: str, out: str | Path, seed: int = 0, **overrides) -> Path:
+    """Save the tiny random target ``name`` (a key of :data:`FAMILIES`) as an HF folder at ``out``.
+
+    Weights are random (torch seed ``seed``), float32. For ``kimi_k2`` the folder's config.json then says
+    ``model_type: kimi_k2`` (as Kimi-K2 checkpoints do), which transformers alone cannot load.
+    ``overrides``: config keys over the family's (e.g. ``num_experts_per_tok=1`` for a variant).
+    """
+    import torch
+    import transformers
+
+    cls_name, extra, model_type, _ = FAMILIES[name]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **extra, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    out = Path(out)
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    if model_type is not None:
+        raw = read_target_config(out)
+        raw["model_type"] = model_type
+        write_target_config(out, raw)
+    return out
+
+
+WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
+
+
+def tiny_conversations(n: int, answer_words: int = 4, source: str = "test") -> list[dict]:
+    """``n`` short user → assistant conversations from a 16-word vocabulary (deterministic), for tiny targets.
+
+    Conversation i: a user turn of 3 + i % 4 words and an answer of ``answer_words`` + i % 3 words, shifted
+    through :data:`WORDS`, so lengths and contents vary while every test and benchmark gets the same set.
+    """
+    out = []
+    for i in range(n):
+        q = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 4))
+        a = " ".join(WORDS[(2 * i + j) % len(WORDS)] for j in range(answer_words + i % 3))
+        out.append({"id": f"c{i}", "source": source, "messages": [{"role": "user", "content": q},
+                                                                  {"role": "assistant", "content": a}]})
+    return out
