@@ -8,8 +8,8 @@ Builds a synthetic feature store at SmolLM2 shapes (3 aux layers + h[N], hidden 
 10×. For each (mode, scale) a fresh subprocess reads one training epoch of packed rows (``batch_tokens`` 2048,
 the default) and reports its peak RSS (``ru_maxrss``) and the RSS after imports (``/proc/self/status`` VmHWM / VmRSS):
 
-- ``stream``: what train.py does now — :class:`eaglepipe.train.loop.BatchStream` (worker thread, memory-mapped
-  shard slices, at most 2 shards open, 4 batches prefetched) over :func:`eaglepipe.train.loop.epoch_rows`;
+- ``stream``: what train.py does now — :class:`eaglepipe.train.stream.BatchStream` (worker thread, memory-mapped
+  shard slices, at most 2 shards open, 4 batches prefetched) over :func:`eaglepipe.train.packing.epoch_rows`;
 - ``in_memory``: what train.py did before — ``list(FeatureSet(dir))``, every feature in RAM, then the same
   rows collated from memory.
 
@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eaglepipe.data.features import FeatureSample, FeatureSet, ShardWriter  # noqa: E402
-from eaglepipe.train.loop import BatchStream, collate, epoch_rows, pack, padding_fraction  # noqa: E402
+from eaglepipe.train.packing import collate, epoch_rows, pack, padding_fraction  # noqa: E402
+from eaglepipe.train.stream import BatchStream  # noqa: E402
 
 BASE, SHARD, L, H, BATCH_TOKENS = 128, 64, 3, 576, 2048
 

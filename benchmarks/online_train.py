@@ -3,7 +3,7 @@ offline (features read from the shards), at SmolLM2 shapes (the bundled target: 
 
     python benchmarks/online_train.py                                   # CPU defaults (small), JSON to --out
     python benchmarks/online_train.py --target /tmp/w/target --samples 1024 --batch-tokens 16384 --fast \\
-        --engine-dtype float32 bfloat16 --out $OUT/online_train.json   # the H200 (suite.sh online)
+        --engine-dtype float32 bfloat16 --out $OUT/online_train.json   # a GPU (benchmarks/h200/online_train.json)
 
 No DVC: both stores are written here, with eaglepipe's own writer and capture (random token sequences of
 seeded lengths, loss on their second half; the tokens store's shards carry stand-in conversation text of the
@@ -127,7 +127,7 @@ def capture_only(store_dir: Path, target: Path, p: TrainParams, compile: bool) -
     its cost inside the loop (online step − offline step) can be told from the capture's own. ``compile``: the
     target through torch.compile (HFEngine(compile=True)); two rows of warm-up (compilation) are untimed."""
     from eaglepipe.data.features import FeatureSet
-    from eaglepipe.train.loop import epoch_rows
+    from eaglepipe.train.packing import epoch_rows
     from eaglepipe.train.online import OnlineCapture
 
     fs = FeatureSet(store_dir)

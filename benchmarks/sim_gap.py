@@ -5,7 +5,7 @@ serving? (issue 13: the H200 draft's τ_sim 2.443 on held-out ShareGPT against v
     python benchmarks/sim_gap.py ... --source humaneval --n 164        # the second serving benchmark
     python benchmarks/sim_gap.py ... --reference                       # + the reference decoder's served τ there
 
-For each prompt (MT-bench first turns, or HumanEval, as serve_eval and benchmarks/h200_engines.py form them):
+For each prompt (MT-bench first turns, or HumanEval, as serve_eval forms them):
 the target's greedy continuation (transformers, fp32), its boundary states captured as extract captures them
 (:meth:`eaglepipe.engines.hf.HFEngine.capture`, the draft's layers + [N], cast to ``--store-dtype`` as the
 training store was), then the held-out evaluation train_drafter runs every epoch (the same TTT unroll, fp32
@@ -36,7 +36,9 @@ from eaglepipe.model.draft import CONFIG_FILE, load_draft  # noqa: E402
 from eaglepipe.model.target_head import load_target_head, soft_targets  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
 from eaglepipe.serving.evaluate import eval_prompts, reference_eval  # noqa: E402
-from eaglepipe.train.loop import autocast_for, collate, eval_summary, pack  # noqa: E402
+from eaglepipe.train.distributed import autocast_for  # noqa: E402
+from eaglepipe.train.evaluation import eval_summary  # noqa: E402
+from eaglepipe.train.packing import collate, pack  # noqa: E402
 from eaglepipe.train.ttt import ttt_unroll  # noqa: E402
 
 
@@ -56,8 +58,8 @@ def samples_on(engine: HFEngine, prompts: list[dict], ids: list[int], max_new: i
 
 def simulator(drafter_dir: Path, target_dir: Path, steps: int, decay: float, max_tokens: int):
     """The draft and the target head loaded once; returns ``simulate(samples) -> dict``: train_drafter's held-out
-    evaluation (eaglepipe/train/loop.py::evaluate: the fp32 teacher, bf16 autocast on CUDA,
-    :func:`eaglepipe.train.loop.eval_summary`) over ``samples``: acc per TTT step, τ_sim, counted positions."""
+    evaluation (eaglepipe/train/evaluation.py::evaluate: the fp32 teacher, bf16 autocast on CUDA,
+    :func:`eaglepipe.train.evaluation.eval_summary`) over ``samples``: acc per TTT step, τ_sim, counted positions."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     draft = load_draft(drafter_dir, dev).float()
     head = load_target_head(target_dir).to(dev)

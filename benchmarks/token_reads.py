@@ -6,7 +6,7 @@ Usage: python benchmarks/token_reads.py [WORK_DIR] [OUT_JSON]
 Builds a tokens store shaped like the GPU profile's (`profiles/gpu.yaml`: 16 shards of 1,024 samples, 64–512
 tokens, each shard's metadata holding its conversations' text as extract writes it, ~5 bytes a token: the
 H200 store held 13.86 bytes a token, 9 of them token ids and masks) with :class:`eaglepipe.data.features.ShardWriter`,
-then reads one epoch of :func:`eaglepipe.train.loop.epoch_rows` (length packing, 16,384 tokens a row) as the data
+then reads one epoch of :func:`eaglepipe.train.packing.epoch_rows` (length packing, 16,384 tokens a row) as the data
 thread does, token ids and masks only:
 
 - ``per_sample``: :meth:`FeatureSet.tokens` for each sample in row order (train.py's data thread before
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eaglepipe.data.features import FeatureSample, FeatureSet, ShardWriter  # noqa: E402
-from eaglepipe.train.loop import epoch_rows  # noqa: E402
+from eaglepipe.train.packing import epoch_rows  # noqa: E402
 
 SHARDS, SHARD, BATCH_TOKENS, TEXT_BYTES_PER_TOKEN = 16, 1024, 16384, 5
 

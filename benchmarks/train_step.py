@@ -15,11 +15,10 @@ Implementations (``impl`` in the JSON):
 - ``eaglepipe-fast-cg`` / ``eaglepipe-fast-frozen-cg``: ``eaglepipe-fast`` / ``-frozen`` with the compiled draft
   layer and norm replayed as CUDA graphs (``compile_draft(mode="reduce-overhead")``, Inductor's CUDA graph trees):
   shape A is launch-bound (924 kernels a step, 16 ms of GPU work in a 29–39 ms step), so fewer launches are its
-  lever. First run (H200, 2026-12-04): a sixth of ``eaglepipe-fast``'s speed, every step recorded again because
-  the mask_mod's tensors (static inputs to the graph trees) had new addresses. With them at fixed ones
-  (``ttt.fixed_address``): 0.40× of ``eaglepipe-fast`` in one run, two other inputs still moving
-  (``h200/cudagraph_rerecord_window19.json``); the block tables are now fixed too, not yet run there. Give these
-  rows ``--warmup`` ≥ 2: a graph's first call runs it, the second records it.
+  lever. The graph trees record a graph again whenever a static input has a new address (every step then
+  re-records, and the rows run at a fraction of ``eaglepipe-fast``'s speed), so the mask_mod's tensors and the
+  block tables are kept at fixed addresses (``ttt.fixed_address``). Give these rows ``--warmup`` ≥ 2: a graph's
+  first call runs it, the second records it.
 - ``eaglepipe-graph`` / ``eaglepipe-graph-frozen``: ``eaglepipe-fast`` / ``-frozen`` with the whole step (the
   unroll given ttt.static_rows, its backward, clipping, AdamW with ``capturable=True``) replayed as one CUDA graph
   (eaglepipe.train.graphed.GraphedStep), the soft targets inside it (at every position); static_rows runs eagerly before
@@ -113,8 +112,8 @@ def doc_lengths(tokens: int, seed: int) -> list[int]:
 
 
 LOSS_MASKS = ("iid", "prompt-reply")
-# The prompt share of a training row. The GPU profile's data (benchmarks/h200/window14_draft.json, 48,270
-# conversations): 7,727,944 loss tokens of 12,556,371, so 38.5 % prompt. (The CPU defaults' 128 conversations,
+# The prompt share of a training row. The GPU profile's data with 32,000 self-written conversations (48,270 in
+# all, extract's report): 7,727,944 loss tokens of 12,556,371, so 38.5 % prompt. (The CPU defaults' 128 conversations,
 # reports/extract.json: 7,667 loss tokens of 24,103, 68.2 % prompt, the default before: it compacts more.)
 PROMPT_FRACTION = 0.385
 

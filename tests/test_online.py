@@ -24,8 +24,10 @@ from eaglepipe.errors import FeatureStoreError, ParamsError
 from eaglepipe.params import ExtractParams, TrainParams, parse_params
 from eaglepipe.target.info import read_info
 from eaglepipe.target.tiny import tiny_conversations
-from eaglepipe.train.loop import BatchStream, epoch_rows, train_drafter
+from eaglepipe.train.loop import train_drafter
 from eaglepipe.train.online import OnlineCapture
+from eaglepipe.train.packing import epoch_rows
+from eaglepipe.train.stream import BatchStream
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -307,11 +309,11 @@ def test_scaling_csv_tells_two_runs_on_the_same_conversations_apart(tmp_path):
     reports = [run("one_turn", 1000, [1.5, 1.8]), run("two_turns", 1600, [1.6, 1.9, 2.0]),
                run("wide", 1600, [1.7, 2.1], mlp=192)]
     (tmp_path / "served.json").write_text(json.dumps({"tau": 1.7}))
-    (tmp_path / "window.json").write_text(json.dumps({"sim_gap": {"mtbench80": {"tau_sim": 1.65, "acc": [0.5]}}}))
+    (tmp_path / "record.json").write_text(json.dumps({"sim_gap": {"mtbench80": {"tau_sim": 1.65, "acc": [0.5]}}}))
     a = argparse.Namespace(runs=str(tmp_path / "none"), train_report=reports, out=str(tmp_path / "s.csv"),
                            served=[f"vllm:1600/64:{tmp_path / 'served.json'}",
                                    f"sglang:1600/192:{tmp_path / 'served.json'}",
-                                   f"sim_mtbench:1000:{tmp_path / 'window.json'}#sim_gap.mtbench80"])
+                                   f"sim_mtbench:1000:{tmp_path / 'record.json'}#sim_gap.mtbench80"])
     to_csv(a)
     rows = list(csv.DictReader(open(a.out)))
     assert [(r["tokens_per_epoch"], r["draft_mlp"], r["epochs"], r["tau_sim"], r["tau_vllm"], r["tau_sglang"],

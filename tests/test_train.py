@@ -3,11 +3,9 @@ resumes a stopped run onto the identical loss curve, and 2 gloo ranks equal 1 pr
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import textwrap
 from pathlib import Path
 
@@ -18,7 +16,9 @@ from safetensors.torch import load_file
 
 from eaglepipe.data.features import FeatureSample, ShardWriter
 from eaglepipe.params import TrainParams
-from eaglepipe.train.loop import lr_factor, pack, pack_by_length, padding_fraction, split_samples, train_drafter
+from eaglepipe.train.loop import train_drafter
+from eaglepipe.train.packing import pack, pack_by_length, padding_fraction, split_samples
+from eaglepipe.train.step import lr_factor
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -235,7 +235,7 @@ def test_first_non_finite_finds_the_first_bad_sample_with_one_reduction():
     """The row-wise check: the first sample with a NaN/inf in aux or last, its tensor and exact count; a
     finite sample whose float32 sum overflows is not flagged; tokens-store samples without features pass."""
     from eaglepipe.data.features import FeatureSample
-    from eaglepipe.train.loop import first_non_finite
+    from eaglepipe.train.stream import first_non_finite
 
     def sample(i, aux=0.0, last=0.0, features=True):
         ids = torch.arange(4)
@@ -271,7 +271,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(features, tiny
     step, names the step's samples, and leaves the checkpoint of the step before it, whose weights are finite."""
     from eaglepipe.data.features import FeatureSet
     from eaglepipe.errors import TrainingError
-    from eaglepipe.train.loop import epoch_rows
+    from eaglepipe.train.packing import epoch_rows
 
     p = _params(epochs=1, checkpoint_every=1)
     train = split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]
@@ -361,7 +361,7 @@ def test_sim_gap_reproduces_the_held_out_evaluation(features, tiny_target, tmp_p
 def test_compile_stats_counts_what_torch_compile_compiled():
     """The epoch log's compile figures come from dynamo's own counters: a new compiled function adds one graph
     and its compile seconds."""
-    from eaglepipe.train.loop import compile_stats
+    from eaglepipe.train.curves import compile_stats
 
     graphs, seconds = compile_stats()
     f = torch.compile(lambda x: (x * 3).cos().sum(), dynamic=False)
@@ -371,47 +371,3 @@ def test_compile_stats_counts_what_torch_compile_compiled():
     assert seconds2 > seconds
     f(torch.randn(5))  # same shape: no new graph
     assert compile_stats()[0] == graphs2
-
-
-def test_best_epoch_so_far_is_kept_from_a_run_still_training(features, tiny_target, tmp_path):
-    """save_best_so_far: nothing before the first eval; after it, the checkpoint's best weights, written as
-    train_drafter writes its draft (load_draft reads them), with the epochs ended and the run's own figures."""
-    from eaglepipe.errors import EaglepipeError
-    from eaglepipe.model.draft import load_draft
-    from eaglepipe.train.loop import save_best_so_far
-
-    p = _params(epochs=2)  # 5 optimizer steps an epoch (test_stopped_run_resumes_onto_the_same_curve)
-    with pytest.raises(EaglepipeError, match="no training checkpoint"):
-        save_best_so_far(tmp_path / "s", tmp_path / "interim")
-    train_drafter(features, tiny_target, tmp_path / "d", p, scratch_dir=tmp_path / "s", stop_after=4)
-    with pytest.raises(EaglepipeError, match="no epoch has ended"):
-        save_best_so_far(tmp_path / "s", tmp_path / "interim")
-    full = train_drafter(features, tiny_target, tmp_path / "f", p, scratch_dir=tmp_path / "sf")
-    train_drafter(features, tiny_target, tmp_path / "d", p, scratch_dir=tmp_path / "s2", stop_after=7)
-    info = save_best_so_far(tmp_path / "s2", tmp_path / "interim")
-    assert info["epochs_ended"] == 1 and info["epochs"] == 2 and info["step"] == 7 and info["best_epoch"] == 0
-    assert round(info["best_tau_sim"], 4) == full["evals"]["epoch0"]["tau_sim"]  # the same run up to there
-    ck = torch.load(next((tmp_path / "s2").glob("*/last.pt")), map_location="cpu", weights_only=False)
-    draft = load_draft(tmp_path / "interim")
-    for k, v in ck["state"].best_state.items():
-        torch.testing.assert_close(draft.state_dict()[k], v, rtol=0, atol=0)
-    assert not torch.equal(ck["model"]["fc.weight"], ck["state"].best_state["fc.weight"])  # 2 steps on since
-    cfg = json.loads((tmp_path / "interim" / "config.json").read_text())
-    assert cfg["layers"] == LAYERS and cfg["target"] == str(tiny_target) and cfg["interim"] == info
-    assert cfg["draft"] == json.loads((tmp_path / "f" / "config.json").read_text())["draft"]
-    # the same through `suite.sh ckpt-keep` in a window's copy of the repo, as the device runs it
-    run_repo, out = tmp_path / "run", tmp_path / "out"
-    (run_repo / "scripts/gpu_engines").mkdir(parents=True)
-    for s in ("suite.sh", "device.sh"):
-        shutil.copy(REPO / "scripts/gpu_engines" / s, run_repo / "scripts/gpu_engines" / s)
-    shutil.copytree(tmp_path / "s2", run_repo / "data/.scratch/drafter")
-    env = {**os.environ, "REPO_ROOT": str(run_repo), "RUN_REPO": str(run_repo), "KEEP": str(tmp_path / "keep"),
-           "RES": str(tmp_path / "res"), "OUT": str(out),  # python3: this interpreter (device.sh env sets PYTHONPATH)
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    r = subprocess.run(["bash", "scripts/gpu_engines/suite.sh", "ckpt-keep"], cwd=run_repo, env=env, text=True,
-                       capture_output=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.split("INTERIM ", 1)[1].splitlines()[0]) == info
-    assert sorted(p.name for p in out.iterdir()) == ["drafter.sha256", "drafter.tar.xz.part00"]
-    with tarfile.open(out / "drafter.tar.xz.part00") as t:  # one part: the whole (xz) tar
-        assert json.loads(t.extractfile("drafter/config.json").read())["interim"] == info

@@ -282,9 +282,10 @@ def test_cuda_graph_replays_of_the_compiled_draft_give_the_plain_loss_and_gradie
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compile_draft compiles only there")
 def test_evaluation_with_autograd_on_reuses_the_training_graphs(draft):
-    """train.evaluate's reason to keep autograd on under train.fast: a forward with grad on after a training step
-    compiles nothing new, one under no_grad compiles its own graphs (dynamo guards on the grad mode)."""
-    from eaglepipe.train.loop import compile_stats
+    """eaglepipe.train.evaluation.evaluate's reason to keep autograd on under train.fast: a forward with grad on
+    after a training step compiles nothing new, one under no_grad compiles its own graphs (dynamo guards on the
+    grad mode)."""
+    from eaglepipe.train.curves import compile_stats
     from eaglepipe.train.ttt import compile_draft
 
     torch._dynamo.reset()
@@ -365,7 +366,7 @@ def test_flex_fast_path_forward_equals_the_plain_path(draft, T, monkeypatch):
     pytest.importorskip("torch.nn.attention.flex_attention")
     from eaglepipe.train import ttt
 
-    monkeypatch.setattr(ttt, "uses_flex", lambda head_dim, device: True)
+    monkeypatch.setattr("eaglepipe.train.ttt.unroll.uses_flex", lambda head_dim, device: True)
     embed = torch.randn(99, 32)
     b, soft = _packed_case(T)
     b = _prompt_reply(b)
@@ -475,7 +476,7 @@ def test_flex_masks_at_fixed_addresses_give_the_same_attention(monkeypatch):
         masks.append(block_mask)
         return flex_attention(q, K, V, block_mask=block_mask, enable_gqa=enable_gqa)
 
-    monkeypatch.setattr(ttt, "flex_attention_fn", lambda: flex)
+    monkeypatch.setattr("eaglepipe.train.ttt.attention.flex_attention_fn", lambda: flex)
     torch.manual_seed(0)
     T, buffers, addresses = 2 * ttt.BLOCK, {}, []
     for cut in (100, 37):
@@ -549,7 +550,7 @@ def test_compacted_flex_attention_equals_ttt_attention(lens, monkeypatch):
         calls.append((K, V, block_mask))
         return flex_attention(q, K, V, block_mask=block_mask, enable_gqa=enable_gqa)
 
-    monkeypatch.setattr(ttt, "flex_attention_fn", lambda: flex)
+    monkeypatch.setattr("eaglepipe.train.ttt.attention.flex_attention_fn", lambda: flex)
     fa, plain = ttt.FlexTTTAttention(doc[None]), TTTAttention(doc[None])
     n_full = 0
     for j, (r, at) in enumerate(zip(exact, rows)):
@@ -650,9 +651,9 @@ def test_static_rows_on_the_flex_path_give_the_plain_results_and_the_host_never_
     pytest.importorskip("torch.nn.attention.flex_attention")
     from eaglepipe.train import ttt
 
-    monkeypatch.setattr(ttt, "uses_flex", lambda head_dim, device: True)
+    monkeypatch.setattr("eaglepipe.train.ttt.unroll.uses_flex", lambda head_dim, device: True)
     flex = ttt.flex_attention_fn()
-    monkeypatch.setattr(ttt, "flex_attention_fn", lambda: HostSyncs.unseen(flex))
+    monkeypatch.setattr("eaglepipe.train.ttt.attention.flex_attention_fn", lambda: HostSyncs.unseen(flex))
     embed = torch.randn(99, 32)
     b, soft, pb, psoft = _padded_case(700, 768)
     rows = ttt.static_rows(pb, psoft.top_in_vocab, 3)

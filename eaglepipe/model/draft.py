@@ -141,7 +141,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # attend(q (B, nh, T, hd), k (B, nkv, T, hd), v (B, nkv, T, hd)) -> (B, nh, T, hd): decides which keys each
-# query sees. Training passes the TTT attention (ttt.py), inference a KV cache (KVCache.attend).
+# query sees. Training passes the TTT attention (eaglepipe/train/ttt/attention.py), inference a KV cache
+# (KVCache.attend).
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -202,7 +203,7 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        self.mask_buffers: dict | None = None  # set by ttt.compile_draft under CUDA graphs (ttt.fixed_address)
+        self.mask_buffers: dict | None = None  # set by compile_draft under CUDA graphs (ttt/attention.py)
         self.fc = nn.Linear(cfg.n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -298,7 +299,7 @@ def draft_step(
 
     Args:
         embed_tokens: (V, H) the target's embedding matrix (shared, frozen).
-        input_ids: (B, T) target ids; position t reads token x[t+1] (see ttt.py: "align (x1, g0)").
+        input_ids: (B, T) target ids; position t reads token x[t+1] (see ttt/unroll.py: "align (x1, g0)").
         positions: (B, T) int64 RoPE positions (t for the pair (g_t, x_{t+1}); +1 per drafted token).
         cache: the draft's KVCache, extended in place.
         aux: (B, T, L, Ht) target aux states g_t (after a target forward), or

@@ -13,9 +13,9 @@ token. τ = mean of (a + 1) over rounds = tokens emitted per target forward (pre
 acceptance at draft position i = rounds whose d_i was accepted / rounds (vLLM's
 ``num_accepted_tokens_per_pos / num_drafts``).
 
-EAGLE-3 alignment (ttt.py): draft position t reads (g_t, x_{t+1}) — the target's aux states at t and the
-token after it — and predicts x_{t+2}. After a round the draft is re-fed the target's states g for the
-verified positions [x, d1..da] paired with the next tokens [d1..da, ya], replacing its own guesses.
+EAGLE-3 alignment (eaglepipe/train/ttt/unroll.py): draft position t reads (g_t, x_{t+1}) — the target's aux
+states at t and the token after it — and predicts x_{t+2}. After a round the draft is re-fed the target's states
+g for the verified positions [x, d1..da] paired with the next tokens [d1..da, ya], replacing its own guesses.
 """
 
 from __future__ import annotations

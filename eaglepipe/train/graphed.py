@@ -1,26 +1,24 @@
 """The whole TTT training step replayed as one CUDA graph per row shape (issue 11, shape A).
 
-At SmolLM2 shapes the step is host-bound: on the H200 (2026-12-03, ``benchmarks/h200/train_step_profile/``) 16 ms
-of GPU work ran in a 29–39 ms step of 924 kernels, launched from Python (compiled regions, their guards, autograd,
-eager glue). Replayed as a CUDA graph, the same kernels start from one call. Inductor's own graphs
-(``compile_draft(mode="reduce-overhead")``) cover only the compiled layer and re-recorded at every step there.
+Why: at small draft shapes (SmolLM2's) the step is host-bound, hundreds of small kernels launched from Python
+(compiled regions, their guards, autograd, eager glue); replayed as a CUDA graph, the same kernels start from one
+call. Inductor's own graphs (``compile_draft(mode="reduce-overhead")``) cover only the compiled layer.
 
-What the graph holds: :func:`eaglepipe.train.ttt.ttt_unroll_fast` given :func:`eaglepipe.train.ttt.static_rows` (no shape that
-depends on the data, nothing read back from the device), its backward, and whatever the caller's step function
-does around it (the soft targets, at every position: ``need`` would read back; gradient clipping, a capturable
-optimizer's step). What runs eagerly before each replay: ``static_rows`` (it reads the masks back) and the copies
-into the graph's input buffers. The pattern is
-PyTorch's whole-network capture (``torch.cuda.graphs`` documentation: warm-up on a side stream, grads set to
-None before the capture so the backward writes them, ``capturable=True`` optimizers).
+What the graph holds: :func:`eaglepipe.train.ttt.ttt_unroll_fast` given :func:`eaglepipe.train.ttt.static_rows`
+(no shape that depends on the data, nothing read back from the device), its backward, and whatever the caller's
+step function does around it (the soft targets, at every position: ``need`` would read back; gradient clipping, a
+capturable optimizer's step). What runs eagerly before each replay: ``static_rows`` (it reads the masks back) and
+the copies into the graph's input buffers. The pattern is PyTorch's whole-network capture (``torch.cuda.graphs``
+documentation: warm-up on a side stream, grads set to None before the capture so the backward writes them,
+``capturable=True`` optimizers).
 
-Written on a CPU machine, 2026-12-04 (no H200 lent that session): the static step is tested on the CPU
-(tests/test_ttt.py), the capture only where CUDA runs (tests/test_graphed.py, skipped elsewhere); not measured yet.
+Tests: the static step on the CPU (tests/test_ttt.py), the capture where CUDA runs (tests/test_graphed.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
