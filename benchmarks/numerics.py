@@ -1,8 +1,8 @@
 """Issue 16: a draft trained on features of the unquantized target, served on a quantized one — the numerics gap
 at the gate, the τ it costs, and the fix (extract with the quantized serving engine, retrain).
 
-Steps (each writes one JSON into ``--out``; ``all`` runs them in order; on the lent H200
-``scripts/gpu_engines/suite.sh numerics base|serve|fix|serve-fix`` runs one per device call):
+Steps (each writes one JSON into ``--out``; ``all`` runs them in order, or one step per call where a machine is
+held only minutes at a time):
 
     base    features of the target by ``--extract-engine`` (default hf, fp32 compute, bf16 storage as the
             pipeline's default) → train a draft → export; then validate_offsets' check (eaglepipe.contract.validate)
@@ -38,7 +38,6 @@ sys.path.insert(0, str(REPO))
 
 K = 3
 LAYERS = [2, 15, 27]  # params.yaml defaults (SmolLM2, N = 30)
-from benchmarks.h200_engines import gpu_env  # noqa: E402  (one place for the H200 engine options)
 
 
 def _write(out: Path, name: str, obj: dict) -> None:
@@ -54,7 +53,8 @@ def _device() -> str:
 
 
 def _engine_opts(a, quantization: str | None) -> dict:
-    """Keyword arguments of the serving engine (GPU memory settings come through the environment, gpu_env)."""
+    """Keyword arguments of the serving engine (a machine's own engine options, GPU memory shares among them,
+    come through the environment: EAGLEPIPE_VLLM_ARGS, EAGLEPIPE_SGLANG_ARGS)."""
     opts = {"dtype": a.dtype, "quantization": quantization}
     if a.engine == "vllm":
         opts.update(work_dir=Path(a.work) / "vllm-work", max_model_len=a.max_len + a.max_new + 8)
@@ -246,8 +246,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="the serving engine's compute dtype in every setting")
     ap.add_argument("--extract-engine", default="hf", help="engine of the base features (unquantized)")
     ap.add_argument("--extract-dtype", default="float32", help="compute dtype of the base features")
-    ap.add_argument("--target", default="/tmp/w/target")
-    ap.add_argument("--prompts", default="/tmp/eng/inputs/prompts", help="folder with train.jsonl and eval.jsonl")
+    ap.add_argument("--target", default="data/target", help="the target HF folder (default: the target stage's)")
+    ap.add_argument("--prompts", default="data/prompts", help="folder with train.jsonl and eval.jsonl (default: the "
+                    "prompts stage's)")
     ap.add_argument("--work", default="/tmp/w/numerics")
     ap.add_argument("--out", default="/tmp/out")
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "h200" / "numerics.json"))
@@ -263,8 +264,7 @@ def main() -> None:
     ap.add_argument("--max-rel-l2", type=float, default=0.05)
     a = ap.parse_args()
     if a.engine == "sglang" and a.dtype != "bfloat16":
-        ap.error("sglang runs bf16 here (sgl_kernel's rmsnorm has no float32 kernel on the H200)")
-    gpu_env()
+        ap.error("sglang runs bf16 (sgl_kernel's CUDA rmsnorm has no float32 kernel)")
     steps = {"base": base, "serve-base": serve_base, "fix": fix, "serve-fix": serve_fix, "rows": rows}
     for name in (["base", "serve-base", "fix", "serve-fix", "rows"] if a.step == "all" else [a.step]):
         steps[name](a)

@@ -1,6 +1,6 @@
 """Issue 13's scaling curve: τ against training conversations and epochs.
 
-    train   THERE (the GPU box), after the GPU profile's extract: drafts trained on the first n shards of its
+    train   on the GPU, after the GPU profile's extract: drafts trained on the first n shards of its
             tokens store (n · extract.shard_size conversations), with the profile's own train params, online
             as train_drafter does (eaglepipe.train.loop.train_drafter); one JSON per n (its summary's per-epoch τ_sim).
     csv     HERE: those JSONs (and full runs' reports/train.json, if they ran) and the served τ of a draft's
@@ -56,7 +56,7 @@ def train(a) -> None:
 
     from eaglepipe.params import parse_params
     from eaglepipe.train.loop import train_drafter
-    from scripts.run_stages import apply_sets
+    from eaglepipe.profiles import apply_sets
 
     # e.g. train.draft_vocab_size=32768: the levers issue 13 asks to measure
     p = parse_params(apply_sets(yaml.safe_load(Path(a.params).read_text()), a.set)).train
@@ -118,7 +118,7 @@ def to_csv(a) -> None:
             raise ValueError(f"--served {spec}: ENGINE is one of {sorted(MEASURES)}, not {engine!r}")
         f, _, path = f.partition("#")
         r = json.loads(Path(f).read_text())
-        for k in filter(None, path.split(".")):  # a result inside a larger JSON (a window's record)
+        for k in filter(None, path.split(".")):  # a result inside a larger JSON
             r = r[k]
         r = r.get(engine, r) if engine == "reference" else r  # serve_eval's report holds each engine's result
         best[_run_of(best, key)][f"tau_{engine}"] = r[MEASURES[engine]]
@@ -230,7 +230,7 @@ def main() -> None:
     c.add_argument("--served", nargs="*", default=[], metavar="ENGINE:KEY[/MLP]:FILE",
                    help="served τ of the draft of the run whose conversations (or, where two runs share them, "
                    "tokens_per_epoch; /MLP: and whose draft MLP is that wide) is KEY: ENGINE vllm | sglang (a "
-                   "benchmarks/h200_engines.py serve JSON), reference (a serve_eval report or reference JSON) or "
+                   "serve_eagle3 result JSON), reference (a serve_eval report or reference JSON) or "
                    "sim_mtbench (a benchmarks/sim_gap.py JSON); FILE#a.b takes the result at keys a, b of FILE")
     c.add_argument("--out", default="benchmarks/h200/scaling.csv")
     r = sub.add_parser("render")

@@ -39,8 +39,8 @@ LAYERS = [2, 3, 4]
 MIN_COSINE = 0.999
 TIMEOUT_S = 420
 WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel, whose flashinfer/fa3/triton attention backends "
-                         "implement MLA and attention sinks (the lent H200 runs SGLang 0.5.17: scripts/gpu_engines)",
-              "vllm": "a CUDA machine with vLLM (the lent H200 runs vLLM 0.26: scripts/gpu_engines)"}
+                         "implement MLA and attention sinks",
+              "vllm": "a CUDA machine with vLLM"}
 
 
 def _conversations(n: int) -> list[dict]:

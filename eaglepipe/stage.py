@@ -25,7 +25,7 @@ def start(name: str) -> Params:
 def scratch_dir_of(out_dir: str | Path) -> Path:
     """Where a stage keeps the unfinished work (shards, checkpoints) of the output it writes to ``out_dir``:
     beside it under ``.scratch/`` (data/drafter → data/.scratch/drafter), outside what DVC hashes, so a run
-    killed midway resumes it (extract's shards, train_drafter's checkpoints; suite.sh ckpt-keep reads the latter)."""
+    killed midway resumes it (extract's shards, train_drafter's checkpoints)."""
     out_dir = Path(out_dir)
     return out_dir.parent / ".scratch" / out_dir.name
 

@@ -2,8 +2,8 @@
 # Online vs offline training tokens/s (benchmarks/online_train.py, issue 11) on the lent H200 in ONE device call,
 # without the engine carries: the target has SmolLM2-135M's shapes and random weights (--random-target), and the
 # only packages the image lacks are pydantic's four wheels.
-#   HERE:   bash scripts/gpu_bench_online.sh fetch       # the wheels into the ignored .gpu/pyd/ (py3.12, x86_64)
-#   THERE:  run carry [".gpu/pyd"], command "bash scripts/gpu_bench_online.sh [online_train.py args]"
+#   HERE:   bash lab/gpu_bench_online.sh fetch       # the wheels into the ignored .gpu/pyd/ (py3.12, x86_64)
+#   THERE:  run carry [".gpu/pyd"], command "bash lab/gpu_bench_online.sh [online_train.py args]"
 # Default args are the ninth window's (2026-12-03, 93 s on a warm machine, ~115 s from cold):
 #   --samples 1024 --min-len 256 --max-len 1024 --batch-tokens 16384 --fast --engine-dtype bfloat16 --repeats 3
 # Writes $OUT/online_train.json (→ benchmarks/h200/online_train.json) and $OUT/online.log.

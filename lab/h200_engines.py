@@ -1,6 +1,6 @@
 """Issue 12 on the lent H200: real vLLM 0.26 and SGLang 0.5.17 capture, validate and serve one exported draft.
 
-Runs THERE (``scripts/gpu_engines/suite.sh`` calls it, each engine in its own process and PYTHONPATH);
+Runs THERE (``lab/gpu_engines/suite.sh`` calls it, each engine in its own process and PYTHONPATH);
 ``merge`` runs HERE on what came back. Every step writes one JSON file into ``--out`` (the device's $OUT).
 
     prep       SmolLM2 target from the carried GGUF (fp32, as the CPU pipeline's), the carried draft/exports
@@ -15,6 +15,7 @@ Runs THERE (``scripts/gpu_engines/suite.sh`` calls it, each engine in its own pr
                SGLang EAGLE-3 serving of that draft
     merge      HERE: the step files → benchmarks/h200/serve_eval.json, offsets_sglang_deepseek.json,
                extract_engines.json
+    env        THERE: ``export`` lines of the engine options in effect (gpu_env), for the product's scripts
     slim FILE... HERE: serve result files (suite.sh draft-vllm / draft-sglang / draft-extra) → benchmarks/h200/
                ``<stem><--tag>.json`` with counts instead of the 2 × prompts × max-new token ids
 """
@@ -71,6 +72,19 @@ def gpu_env() -> dict[str, dict]:
             os.environ[var] = json.dumps(opts)
         out[name] = opts
     return out
+
+
+def env(a) -> None:
+    """Print ``export`` lines of the engine options gpu_env put in effect, for scripts that read only the
+    environment (benchmarks/numerics.py, tests/test_gpu.py): ``eval "$(python3 lab/h200_engines.py env)"``."""
+    import shlex
+
+    from eaglepipe.engines.sglang import SERVER_ARGS_ENV
+    from eaglepipe.engines.vllm import LLM_ARGS_ENV
+
+    for var in (LLM_ARGS_ENV, SERVER_ARGS_ENV):
+        if os.environ.get(var):
+            print(f"export {var}={shlex.quote(os.environ[var])}")
 
 
 def _write(out: Path, name: str, obj: dict) -> None:
@@ -345,7 +359,7 @@ def merge(a) -> None:
     src, dst = Path(a.out), REPO / "benchmarks" / "h200"
     load = lambda n: json.loads((src / n).read_text()) if (src / n).exists() else None  # noqa: E731
     notes = load("notes.json") or {}
-    out = {"produced_by": "scripts/gpu_engines/suite.sh + python benchmarks/h200_engines.py merge", "k": K,
+    out = {"produced_by": "lab/gpu_engines/suite.sh + python lab/h200_engines.py merge", "k": K,
            **{k: v for k, v in notes.items() if k not in ("not_run", "extract", "validate", "seeds", "seeds_notes")}}
     refs = [r for r in (load("reference.json"), load("reference_cpu.json")) if r]
     greedy = {i: o for r in refs for i, o in zip(r["prompt_ids"], r.get("outputs_greedy", []))}
@@ -412,7 +426,7 @@ def slim(a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=["prep", "serve", "reference", "extract", "validate", "seeds", "crosscheck",
-                                     "merge", "slim"])
+                                     "merge", "slim", "env"])
     ap.add_argument("engine", nargs="?", default=None)
     ap.add_argument("files", nargs="*", help="slim: the serve result files")
     ap.add_argument("--note", default="", help="slim: a note kept in each file")
@@ -434,7 +448,8 @@ def main() -> None:
     a.dtype = a.dtype or ("bfloat16" if a.engine == "sglang" else "float32")
     a.gpu = gpu_env()
     steps = {"prep": prep, "serve": serve, "reference": reference, "extract": extract_step,
-             "validate": validate_step, "seeds": seeds, "crosscheck": crosscheck, "merge": merge, "slim": slim}
+             "validate": validate_step, "seeds": seeds, "crosscheck": crosscheck, "merge": merge, "slim": slim,
+             "env": env}
     steps[a.step](a)
 
 

@@ -1,9 +1,10 @@
-"""Run dvc.yaml's stage commands in order without DVC (for machines that lack it, e.g. the GPU box).
+"""Run dvc.yaml's stage commands in order without DVC, for a device machine that has no DVC.
 
-Usage: python scripts/run_stages.py [--profile FILE ...] [--set SECTION.KEY=VALUE ...] [STAGE ...]
+Usage: python lab/run_stages.py [--profile FILE ...] [--set KEY.PATH=VALUE ...] [STAGE ...]
 (default: every stage, in dvc.yaml order). The commands are read from dvc.yaml, so paths stay written in one
-place. No caching: every stage runs. ``--profile`` merges params profiles (e.g. profiles/gpu.yaml, then
-profiles/synthetic_topics.yaml) over params.yaml in order, section by section, and ``--set`` sets single params over that, as ``dvc exp run -S`` would; the
+place. No caching: every stage runs. ``--profile`` applies params profiles (e.g. profiles/gpu.yaml, then
+profiles/synthetic_topics.yaml) over params.yaml in order and ``--set`` single params over those, as
+``dvc exp run $(eaglepipe profile ...) -S ...`` would (eaglepipe.profiles: the same merge, validated); the
 merged params.yaml is written in place (the stages read it).
 """
 
@@ -15,23 +16,9 @@ from pathlib import Path
 import yaml
 
 
-def apply_sets(params: dict, sets: list[str]) -> dict:
-    """``params`` (params.yaml as a dict) with each ``SECTION.KEY=VALUE`` set (VALUE read as YAML), in place."""
-    for kv in sets:
-        key, value = kv.split("=", 1)
-        section, name = key.split(".", 1)
-        params[section][name] = yaml.safe_load(value)
-    return params
-
-
-def merge_profile(params: dict, profile: dict) -> dict:
-    """``profile``'s sections over ``params``' (a section's keys merged, a top-level value replaced), in place."""
-    for k, v in profile.items():
-        params[k] = {**params[k], **v} if isinstance(v, dict) else v
-    return params
-
-
 def main():
+    from eaglepipe.params import parse_params
+    from eaglepipe.profiles import apply_sets, merged_params
     from eaglepipe.sources import link_bundled
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,10 +27,9 @@ def main():
     ap.add_argument("stages", nargs="*")
     a = ap.parse_args()
     if a.profile or a.set:
-        params = yaml.safe_load(Path("params.yaml").read_text())
-        for f in a.profile:
-            merge_profile(params, yaml.safe_load(Path(f).read_text()))
-        Path("params.yaml").write_text(yaml.safe_dump(apply_sets(params, a.set), sort_keys=False))
+        params = merged_params(*a.profile) if a.profile else yaml.safe_load(Path("params.yaml").read_text())
+        parse_params(apply_sets(params, a.set))  # a bad --set fails before any stage
+        Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     link_bundled(Path.cwd())  # bundled/ links, as scripts/setup.sh makes them
     stages = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]
     for name in a.stages or list(stages):

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]  # eaglepipe, h200_engines
 
 TOP1 = {"n_routed_experts": 2, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}  # the seeds' old routing
 # name -> config overrides of the tiny kimi_k2 (tiny_targets.build; transformers DeepseekV3Config keys)
@@ -65,7 +65,7 @@ def fused_moe_file() -> Path:
 
 
 def run(a) -> None:
-    from benchmarks.h200_engines import crosscheck_rows
+    from h200_engines import crosscheck_rows
 
     t0 = time.time()
     out, work = Path(a.out), Path(a.work)
@@ -105,7 +105,7 @@ if __name__ == "__main__":
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--budget", type=float, default=240, help="start no new variant after this many seconds")
     a = ap.parse_args()
-    from benchmarks.h200_engines import gpu_env
+    from h200_engines import gpu_env
 
     gpu_env()  # on the GPU: attention_backend triton, disable_cuda_graph, mem_fraction_static 0.35 (as crosscheck)
     run(a)

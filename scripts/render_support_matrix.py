@@ -1,8 +1,8 @@
-"""Rewrite README.md's support-matrix section from metrics/support_matrix.json (generated, never typed).
+"""Rewrite benchmarks/README.md's support-matrix section from metrics/support_matrix.json (generated, never typed).
 
 Usage: python scripts/render_support_matrix.py [--check]
 The section lies between the markers ``<!-- support-matrix:start -->`` and ``<!-- support-matrix:end -->``;
-``--check`` exits 1 when README.md is not what the JSON renders to (for CI).
+``--check`` exits 1 when benchmarks/README.md is not what the JSON renders to (for CI).
 """
 
 from __future__ import annotations
@@ -47,14 +47,15 @@ def render(doc: dict) -> str:
 
 def main() -> None:
     doc = json.loads((REPO / "metrics" / "support_matrix.json").read_text())
-    readme = REPO / "README.md"
+    readme = REPO / "benchmarks" / "README.md"
     text = readme.read_text()
     if START not in text or END not in text:
-        sys.exit(f"README.md has no {START} ... {END} section")
+        sys.exit(f"benchmarks/README.md has no {START} ... {END} section")
     a, b = text.index(START) + len(START), text.index(END)
     new = text[:a] + "\n" + render(doc) + "\n" + text[b:]
     if "--check" in sys.argv:
-        sys.exit(0 if new == text else "README.md's support matrix is stale: run python scripts/render_support_matrix.py")
+        sys.exit(0 if new == text else
+                 "benchmarks/README.md's support matrix is stale: run python scripts/render_support_matrix.py")
     readme.write_text(new)
 
 

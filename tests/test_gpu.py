@@ -1,12 +1,13 @@
 """Tests that need a CUDA GPU; on a machine without one (CI's) each is skipped and says why.
 
-On the lent H200, after `scripts/gpu_engines/suite.sh setup` (engines and inputs installed):
-    source <(scripts/gpu_engines/device.sh env vllm);   python3 -m pytest -q tests/test_gpu.py   # engine: vllm
-    source <(scripts/gpu_engines/device.sh env sglang); python3 -m pytest -q tests/test_gpu.py   # engine: sglang
-(an engine's test is skipped where it does not import). What they hold:
+Run them on a CUDA machine with the engine installed, one engine's environment at a time (an engine's test is
+skipped where it does not import): ``python -m pytest -q tests/test_gpu.py``. Engine options of that machine
+(e.g. SGLang's ``attention_backend``) come through ``EAGLEPIPE_SGLANG_ARGS`` / ``EAGLEPIPE_VLLM_ARGS``, as for
+the stages. What they hold:
   - rows of other lengths padded to one length by :func:`eaglepipe.train.ttt.pad_batch` do not compile the draft
-    again unless their later steps' bucketed length (:func:`eaglepipe.train.ttt.flex_rows`) is new (the recompile
-    cliff found on the H200; tests/test_ttt.py compares the fast path on CUDA with the plain one);
+    again unless their later steps' bucketed length (:func:`eaglepipe.train.ttt.flex_rows`) is new (one compile
+    per new length would make each row recompile; tests/test_ttt.py compares the fast path on CUDA with the
+    plain one);
   - the online capture on the device equals the CPU capture;
   - the tiny kimi_k2 target (DeepSeek-V3 MLA, top-2 routing) through vLLM and through SGLang on CUDA matches
     transformers fp32 at every boundary (issue 12's seeds' case; benchmarks/h200/offsets_sglang_deepseek.json).
@@ -90,13 +91,39 @@ def test_online_capture_on_the_device_equals_the_cpu_capture(tiny_target):
             torch.testing.assert_close(g.cpu(), c, rtol=1e-4, atol=1e-4)  # fp32; CUDA matmuls, other padding
 
 
+def _crosscheck(engine_name: str, target, bounds: list[int], **engine_opts) -> list[dict]:
+    """``target`` through hf fp32 (the reference) and ``engine_name`` in bf16 at ``bounds`` (ids in the engine's
+    meaning, eaglepipe.contract.convention) on 4 chat-templated conversations: per boundary the gate's cosine
+    and relative L2 (eaglepipe.contract.validate.cosine_rel_l2)."""
+    from transformers import AutoTokenizer
+
+    from eaglepipe.contract import convention
+    from eaglepipe.contract.validate import cosine_rel_l2
+    from eaglepipe.engines import get_engine
+    from eaglepipe.engines.hf import HFEngine
+    from eaglepipe.target.info import read_info
+    from eaglepipe.target.tiny import tiny_conversations
+
+    info = read_info(target, hash_weights=False)
+    tok = AutoTokenizer.from_pretrained(target)
+    seqs = [tok(tok.apply_chat_template(c["messages"][:1], tokenize=False))["input_ids"]
+            for c in tiny_conversations(4, answer_words=5)]
+    ref = torch.cat(HFEngine(target, dtype="float32").capture(seqs, bounds))  # (ΣT, B, H)
+    with get_engine(engine_name, target, dtype="bfloat16", info=info, **engine_opts) as e:
+        got = torch.cat(e.capture(seqs, convention.ids_reading_as(engine_name, info.family, bounds, info.n_layers)))
+    rows = []
+    for j, k in enumerate(bounds):
+        cos, rel = cosine_rel_l2(ref[:, j], got[:, j])
+        rows.append({"boundary": k, "cosine": cos, "rel_l2": rel})
+    return rows
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_tiny_kimi_through_the_cuda_engine_matches_transformers(engine, tmp_path):
     """Issue 12 item 5's target through the real engine in bf16 against transformers fp32 at every boundary
-    the engine captures from h[2] on (benchmarks/h200_engines.py crosscheck, as run on the H200)."""
-    pytest.importorskip(engine, reason=f"{engine} is not importable here (on the H200: source <(scripts/"
-                                       f"gpu_engines/device.sh env {engine}))")
-    from benchmarks.h200_engines import GPU_SGLANG, crosscheck_rows
+    the engine captures from h[2] on. Engine options (SGLang's attention backend where its default kernels are
+    not installed) come from the environment (EAGLEPIPE_SGLANG_ARGS, EAGLEPIPE_VLLM_ARGS)."""
+    pytest.importorskip(engine, reason=f"{engine} is not importable here")
     from eaglepipe.contract import convention
     from eaglepipe.target.info import materialize_target, read_info
     from eaglepipe.target.tiny import build
@@ -105,10 +132,7 @@ def test_tiny_kimi_through_the_cuda_engine_matches_transformers(engine, tmp_path
     materialize_target(str(build("kimi_k2", tmp_path / "src")), target)
     info = read_info(target, hash_weights=False)
     bounds = sorted(set(range(2, info.n_layers)) & set(convention.capturable(engine, info.family, info.n_layers)))
-    # SGLang: the H200 options (triton attention: the carried sgl_kernel has no FA3, which MLA picks on Hopper)
-    # (server arguments go in engine_kwargs: SGLangEngine drops unknown keyword arguments)
-    opts = {"max_total_tokens": 2048, "engine_kwargs": GPU_SGLANG} if engine == "sglang" else {}
-    rows = crosscheck_rows(engine, target, bounds, **opts)["layers"]
+    rows = _crosscheck(engine, target, bounds, **({"max_total_tokens": 2048} if engine == "sglang" else {}))
     assert [r["boundary"] for r in rows] == bounds and len(bounds) >= 3
     for r in rows:
         assert r["cosine"] >= 0.999, r

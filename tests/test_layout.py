@@ -46,3 +46,25 @@ def test_the_targets_config_json_is_read_in_one_module():
                  for path, text in _sources("eaglepipe", "stages").items() if path != reader
                  for m in read.finditer(text) if m.group(1) not in drafts and not m.group(2)]
     assert not offenders, "target config.json read outside eaglepipe/target/config.py:\n" + "\n".join(offenders)
+
+
+# What exists only to bring engines onto an air-gapped GPU machine and run benchmarks there (docs/design.md,
+# "Product and lab"): its folder, its scripts' names, and the word its run records are named by.
+LAB_NAMES = re.compile(r"\blab/|\b(?:from|import)\s+lab\b|gpu_engines|suite\.sh|device\.sh|h200_engines|run_stages"
+                       r"|\bwindow\b", re.IGNORECASE)
+PRODUCT = ("eaglepipe", "stages", "tests", "dvc.yaml", "params.yaml", "profiles", "pyproject.toml")
+
+
+def test_the_product_never_names_the_lab():
+    """No file of the product imports or names the lab (this test itself aside: it has to spell the names)."""
+    files = [f for name in PRODUCT for f in ([REPO / name] if (REPO / name).is_file() else (REPO / name).rglob("*"))
+             if f.is_file() and "__pycache__" not in f.parts and f.resolve() != Path(__file__).resolve()]
+    offenders = []
+    for path in sorted(files):
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue  # not text
+        text = data.decode("utf-8", errors="replace")
+        offenders += [f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+                      for m in LAB_NAMES.finditer(text)]
+    assert not offenders, "the product names the lab:\n" + "\n".join(offenders)

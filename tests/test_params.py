@@ -1,6 +1,5 @@
 """params.yaml validation: one clear message naming the key, the bad value and what is allowed."""
 
-import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import yaml
 
 from eaglepipe.errors import ParamsError
 from eaglepipe.params import check_layers_against_target, load_params, parse_params
+from eaglepipe.profiles import leaves, merged_params, override_value, profile_sets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,24 +25,84 @@ def test_repo_params_are_valid():
 
 
 def test_gpu_profile_merges_into_valid_params():
-    """profiles/gpu.yaml over params.yaml (as scripts/gpu_run.sh merges it): valid, and what issue 13 runs."""
-    from scripts.run_stages import merge_profile
-
-    p = parse_params(merge_profile(defaults(), yaml.safe_load((REPO / "profiles" / "gpu.yaml").read_text())))
+    """profiles/gpu.yaml over params.yaml (as `dvc exp run $(eaglepipe profile profiles/gpu.yaml)` applies it):
+    valid, and what issue 13 runs."""
+    p = parse_params(merged_params(REPO / "profiles" / "gpu.yaml", params_path=REPO / "params.yaml"))
     assert (p.framework, p.extract.regenerate_engine, p.extract.store, p.extract.engine) == ("vllm", "vllm", "tokens", "hf")
     assert p.prompts.max_records == 0 and p.serve.prompts == 80 and p.serve.batch_sizes == [1, 8]
 
 
 def test_topics_profile_merges_after_the_gpu_profile():
-    """profiles/synthetic_topics.yaml after profiles/gpu.yaml (GPU_PROFILES): only prompts.synthetic_topics moves."""
-    from scripts.run_stages import merge_profile
-
-    gpu = merge_profile(defaults(), yaml.safe_load((REPO / "profiles" / "gpu.yaml").read_text()))
-    base = parse_params(copy.deepcopy(gpu))
-    p = parse_params(merge_profile(gpu, yaml.safe_load((REPO / "profiles" / "synthetic_topics.yaml").read_text())))
+    """profiles/synthetic_topics.yaml after profiles/gpu.yaml: only prompts.synthetic_topics moves."""
+    profiles = REPO / "profiles"
+    base = parse_params(merged_params(profiles / "gpu.yaml", params_path=REPO / "params.yaml"))
+    p = parse_params(merged_params(profiles / "gpu.yaml", profiles / "synthetic_topics.yaml",
+                                   params_path=REPO / "params.yaml"))
     assert len(p.prompts.synthetic_topics) == 10 and base.prompts.synthetic_topics == []
     assert p.model_copy(update={"prompts": base.prompts}) == base
     assert p.prompts.model_copy(update={"synthetic_topics": []}) == base.prompts
+
+
+def test_profile_sets_are_dvc_exp_run_arguments():
+    """One `-S key.path=value` per value the profile sets, in its order, typed values written so that -S keeps
+    their type: strings quoted, lists and booleans as YAML/JSON would write them."""
+    sets = profile_sets(REPO / "profiles" / "gpu.yaml", params_path=REPO / "params.yaml")
+    assert sets[0::2] == ["-S"] * (len(sets) // 2)
+    assert sets[1:8:2] == ['framework="vllm"', "prompts.max_records=0", "prompts.drop_leading_assistant=true",
+                           "prompts.train=16270"]
+    assert "serve.batch_sizes=[1,8]" in sets and 'train.teacher_precision="tf32"' in sets
+    assert [v for k, v in leaves({"a": {"b": [None, "x y", 1.5, False]}, "c": {}})] == [[None, "x y", 1.5, False], {}]
+    assert override_value([None, "x y", 1.5, False, -3]) == '[null,"x y",1.5,false,-3]'
+    for bad in ("a\\b", "${x}", "yes", "12:30"):  # escapes, interpolation, YAML 1.1's readings
+        with pytest.raises(ParamsError, match="set it"):
+            override_value(bad)
+
+
+def test_profile_sets_round_trip_through_dvc(tmp_path):
+    """DVC's own -S code (dvc.utils.hydra.apply_overrides, what `dvc exp run -S` calls) turns the arguments back
+    into exactly params.yaml with the profiles over it: strings that read as other types, null, nested lists and
+    a key params.yaml lacks (written with Hydra's +) included."""
+    pytest.importorskip("dvc")
+    from dvc.utils.hydra import apply_overrides
+
+    profiles = [REPO / "profiles" / "gpu.yaml", REPO / "profiles" / "synthetic_topics.yaml"]
+    odd = tmp_path / "odd.yaml"
+    odd.write_text(yaml.safe_dump({"target": {"dtype": "bfloat16"}, "prompts": {"synthetic_topics": [
+        "0", "null", "true", 'say "hi", τ=1 [x]: {y}', "it's", "", "#c", "a,b=c"]}, "extract": {"quantization": None},
+        "serve": {"batch_sizes": [None, 2], "min_tau": 1.5}, "validate": {"reference": False}}))
+    for ps in (profiles[:1], [*profiles, odd]):
+        params = tmp_path / "params.yaml"
+        params.write_text((REPO / "params.yaml").read_text())
+        sets = profile_sets(*ps, params_path=params)
+        apply_overrides(params, sets[1::2])
+        assert yaml.safe_load(params.read_text()) == merged_params(*ps, params_path=REPO / "params.yaml")
+    raw = defaults()
+    del raw["train"]["seed"]  # a key params.yaml lacks
+    params.write_text(yaml.safe_dump(raw))
+    (tmp_path / "seed.yaml").write_text("train:\n  seed: 3\n")
+    sets = profile_sets(tmp_path / "seed.yaml", params_path=params)
+    assert sets == ["-S", "+train.seed=3"]
+    apply_overrides(params, sets[1::2])
+    assert yaml.safe_load(params.read_text())["train"]["seed"] == 3
+
+
+def test_a_bad_profile_fails_before_dvc_runs_anything(tmp_path):
+    """`eaglepipe profile` validates the merged params: a bad one names the key on stderr, exits 2, and prints
+    only an argument `dvc exp run` refuses, so `dvc exp run $(eaglepipe profile bad.yaml)` stops at once."""
+    from eaglepipe.cli import PROFILE_FAILED
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: 0\nlayerz: [1]\n")
+    with pytest.raises(ParamsError, match="'train.epochs' = 0") as e:
+        profile_sets(bad, params_path=REPO / "params.yaml")
+    assert "unknown key 'layerz'" in str(e.value) and str(bad) in str(e.value)
+    r = subprocess.run([sys.executable, "-m", "eaglepipe.cli", "profile", str(bad)], cwd=REPO, capture_output=True,
+                       text=True)
+    assert (r.returncode, r.stdout) == (2, PROFILE_FAILED + "\n") and "'train.epochs' = 0" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "eaglepipe.cli", "profile", "profiles/gpu.yaml"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == profile_sets(REPO / "profiles" / "gpu.yaml",
+                                                                   params_path=REPO / "params.yaml")
 
 
 @pytest.mark.parametrize("patch,expect", [

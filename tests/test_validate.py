@@ -141,9 +141,9 @@ def test_neighbours_are_boundaries_under_sglang_deepseek_first_id_rule():
 
 
 def test_features_of_another_model_are_a_mismatch_not_an_offset(tiny_target, stored, tmp_path):
-    """Stored features from one model, captured through another (same shapes, other weights): no id in the
-    window matches, so the gate names no offset (the H200 kimi_k2 case: vLLM features, SGLang capture, best
-    cosines 0.24-0.38 at every shift) and says what that means."""
+    """Stored features from one model, captured through another (same shapes, other weights): no id within
+    ±search matches, so the gate names no offset (as for kimi_k2 with vLLM features and an SGLang capture that
+    departs from them: best cosines 0.24-0.38 at every shift) and says what that means."""
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
     torch.manual_seed(1)

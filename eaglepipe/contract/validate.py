@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LayerReport:
-    """One stored layer: its exported id, the match at d = 0 and the best match within the search window."""
+    """One stored layer: its exported id, the match at d = 0 and the best match within ±search."""
 
     boundary: int  # k of the stored h[k]
     engine_id: int  # the id the export writes for it
@@ -77,7 +77,7 @@ class OffsetReport:
     quantization: str | None = None  # the serving engine's quantization method (None: unquantized)
     engine_dtype: str | None = None
     reference: str | None = None  # what the ref_* / gap_* figures compare against, e.g. "vllm 0.32.0 bfloat16"
-    min_match_cosine: float = 0.9  # a layer whose best cosine in the window is below this matches nothing
+    min_match_cosine: float = 0.9  # a layer whose best cosine within ±search is below this matches nothing
 
     def _unmatched(self, r: LayerReport) -> bool:
         return r.best_cosine < self.min_match_cosine
@@ -98,9 +98,8 @@ class OffsetReport:
 
     def to_json(self) -> dict:
         """The whole report; cosines to 6 decimals (as :meth:`compact` and :meth:`table`), relative L2s to 6
-        significant digits: vLLM's CPU capture moves them by an fp32 ulp from run to run (2026-12-03: a
-        relative L2 0.0016593665… and 0.0016593668… on two fresh clones, a cosine 0.96724319… and 0.96724331…
-        on two runs here), and the report is a DVC output that must come out byte for byte."""
+        significant digits: vLLM's CPU capture moves them by an fp32 ulp from run to run (e.g. a
+        relative L2 0.0016593665… or 0.0016593668…, a cosine 0.96724319… or 0.96724331…), and the report is a DVC output that must come out byte for byte."""
         d = asdict(self)
         d["ok"] = self.ok
         for r in d["layers"]:
@@ -113,7 +112,7 @@ class OffsetReport:
 
     @property
     def verdict(self) -> str:
-        """"ok", "mismatch" (some layer matches no capture in the window: best cosine below min_match_cosine),
+        """"ok", "mismatch" (some layer matches no capture within ±search: best cosine below min_match_cosine),
         "offset" (some layer is best matched at another id) or "numerics" (right id, but cosine below
         min_cosine or relative L2 above max_rel_l2: "numerics gap, offset 0" in :meth:`message`)."""
         if any(self._unmatched(r) for r in self.layers):
@@ -158,7 +157,7 @@ class OffsetReport:
         return "\n".join(lines)
 
     def _mismatch_line(self, r: LayerReport, where: str) -> str:
-        """One layer that matches no capture in the window: neither an offset nor a small numerics gap."""
+        """One layer that matches no capture within ±search: neither an offset nor a small numerics gap."""
         span = max(map(abs, r.cosines))
         return (f"stored h[{r.boundary}] matches no capture of {where} within ±{span} layers of the exported id "
                 f"{r.engine_id}: best cosine {r.best_cosine:.4f} (offset {r.best_offset:+d}), at the exported id "
@@ -214,7 +213,7 @@ def _neighbour_ids(engine: str, family: str, fed: list[int], can: set[int], sear
 
     The neighbours are boundaries h[k + d], not ids e + d: under a list-dependent rule (SGLang DeepSeek's
     first id, srt/models/deepseek_v2.py set_eagle3_layers_to_capture) ids [1, 2, …] all read as h[i+1],
-    so an id-wise union would capture other layers than it names (seen on the H200: "captured 4 of 5 aux
+    so an id-wise union would capture other layers than it names (SGLang then reports "captured 4 of 5 aux
     hidden states" for a 6-layer kimi_k2). Boundaries are dropped from the ends until the list is
     expressible (e.g. h[1] there). Raises CaptureMismatch when no list holds every stored boundary.
     """
@@ -244,7 +243,7 @@ def check_offsets(
         layers: the stored boundaries (the manifest's ``layers``).
         samples: stored samples; their ``aux`` is (T, L, H).
         max_rel_l2: fail a layer above this relative L2 at d = 0 too (None: report only).
-        min_match_cosine: a layer whose best cosine over the window is below this matches nothing: no
+        min_match_cosine: a layer whose best cosine within ±search is below this matches nothing: no
             offset is named for it (verdict "mismatch").
         reference: the same samples captured by the unquantized engine (:func:`reference_capture`): each
             layer then reports the stored features and the capture against it (``ref_*``, ``gap_*``).

@@ -41,7 +41,7 @@ def engine_options() -> set[str]:
 def get_engine(name: str, target_dir: str | Path, **opts) -> Engine:
     """Start engine ``name`` on the HF target folder ``target_dir``. Raises ParamsError for an unknown name, or
     for an option no engine takes (an engine's own arguments go in ``engine_kwargs`` for SGLang's ServerArgs,
-    ``llm_kwargs`` for vllm.LLM: passed bare, they were dropped without a word; the H200, 2026-12-03)."""
+    ``llm_kwargs`` for vllm.LLM: passed bare, an engine would drop them without a word)."""
     unknown = sorted(set(opts) - engine_options())
     if unknown:
         raise ParamsError(f"engine option(s) {', '.join(unknown)} are taken by no engine ({', '.join(ENGINES)}): "

@@ -1,8 +1,8 @@
 """SGLang capture where SGLang has no capture-only mode: a probe draft that makes EAGLE-3 itself capture.
 
 SGLang 0.5.23 has a capture-only EAGLE-3 mode (server args ``enable_return_aux_hidden_states`` and
-``return_aux_hidden_state_layer_ids``, srt/server_args.py); SGLang 0.5.17, the version that matches the H200
-image's torch 2.11, has neither (its ``ServerArgs`` dataclass refuses them). There the aux states come from
+``return_aux_hidden_state_layer_ids``, srt/server_args.py); SGLang 0.5.17, the release that matches torch 2.11,
+has neither (its ``ServerArgs`` dataclass refuses them). There the aux states come from
 real EAGLE-3 serving: the target's ``set_eagle3_layers_to_capture`` receives the ids of the draft's
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` (srt/model_executor/model_runner.py), the prefill runs in
 ``CaptureHiddenMode.FULL`` and, with ``enable_return_hidden_states`` and a request's

@@ -66,7 +66,7 @@ class TargetHead:
         if precision != "tf32":
             raise ValueError(f"teacher precision {precision!r}: fp32 | tf32 | bf16")
         # torch's fp32_precision API, not the legacy allow_tf32: once inductor (the compiled online target) has
-        # used the new one, reading allow_tf32 raises "mix of the legacy and new APIs" (H200, torch 2.11)
+        # used the new one, reading allow_tf32 raises "mix of the legacy and new APIs" (torch 2.11, CUDA)
         old = torch.backends.cuda.matmul.fp32_precision
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         try:
@@ -90,8 +90,9 @@ def soft_targets(
     """last (B, T, H) → SoftTargets over the draft vocabulary, ``chunk`` tokens at a time (V is large).
 
     Finding whether the full-vocabulary top-1 is in the draft vocabulary needs the (T, V) product; when the
-    caller already knows it (``top_in_vocab`` (B, T) bool, computed once per sample by train.py), only the Vd
-    draft rows of lm_head are multiplied — V/Vd times less work (6× for SmolLM2 with Vd = 8192) every epoch.
+    caller already knows it (``top_in_vocab`` (B, T) bool, computed once per sample by
+    eaglepipe.train.prepare.top1_in_vocab), only the Vd draft rows of lm_head are multiplied — V/Vd times less
+    work (6× for SmolLM2 with Vd = 8192) every epoch.
     need: (B, T) bool, the positions whose targets are read (a batch's ``loss_mask``: the TTT loss scores
     p_{t+1+j} only where x_{t+1+j} is assistant text); the others are not multiplied and get p = 0, top = 0
     and, when computed here, top_in_vocab False (a third of the CPU defaults' tokens are assistant text).

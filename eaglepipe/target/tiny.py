@@ -3,12 +3,12 @@
 Sizes are the smallest the real engines run on CPU: vLLM's CPU attention rejects head_dim 16, so head_dim is
 32 (hidden 64, 2 heads); vLLM's CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), and its CUDA
 MLA prefill only DeepSeek's own head dims (qk_nope, qk_rope, v) = (128, 64, 128)
-(vllm/v1/attention/backends/mla/prefill/flash_attn.py ``supports_mla_dimensions``, seen on the H200); DeepSeek
+(vllm/v1/attention/backends/mla/prefill/flash_attn.py ``supports_mla_dimensions``); DeepSeek
 configs say ``topk_method: noaux_tc`` (vLLM's DeepSeek MoE router). Their MoE routes top-2 of 4 experts in 2
 groups, as real DeepSeek-V3 / Kimi-K2 checkpoints route top-k > 1 (8 of 256): SGLang 0.5.17's triton fused MoE
 sums a never-written buffer for top-1 routing with a routed_scaling_factor other than 1
-(``layers/moe/moe_runner/triton_utils/fused_moe.py _fused_moe_kernel_sequence``; sglang PR #40187), which the
-earlier top-1 tiny target hit on the H200 (benchmarks/sglang_moe_variants.py). Vocabulary: a character-level
+(``layers/moe/moe_runner/triton_utils/fused_moe.py _fused_moe_kernel_sequence``; sglang PR #40187), so a top-1
+tiny target would measure that bug instead of the capture. Vocabulary: a character-level
 tokenizer with ChatML specials and chat template (ids < 99).
 """
 

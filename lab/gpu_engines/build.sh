@@ -7,15 +7,15 @@
 #   .gpu/carry/NN/         one folder per device call, each holding one part (<= 48 MiB): carry ".gpu/carry/NN"
 #   .gpu/carry/MANIFEST.sha256 and .gpu/carry/NN/MANIFEST.sha256 (copied into every call folder)
 #   .gpu/carry/cNN/        one folder per device call: up to CALL_MB of parts of any stage + MANIFEST.sha256
-# Usage: scripts/gpu_engines/build.sh [vllm|sglang|inputs|all]   (default all)
-#   inputs = what benchmarks/h200_engines.py serves and extracts: the SmolLM2 GGUF, the draft of this
+# Usage: lab/gpu_engines/build.sh [vllm|sglang|inputs|all]   (default all)
+#   inputs = what lab/h200_engines.py serves and extracts: the SmolLM2 GGUF, the draft of this
 #   checkout's data/drafter (whose export under data/export must hold the same weights), data/prompts;
-#   data = the GPU profile's sources for scripts/gpu_run.sh: the bundled ShareGPT file (xz), HumanEval, MT-bench.
+#   data = the GPU profile's sources for lab/gpu_run.sh: the bundled ShareGPT file (xz), HumanEval, MT-bench.
 # Env: PART_MB (default 20), CALL_MB (default 60), XZ_OPTS (default "-T1 -6"), WITH_FA3=1 keeps
-#   sgl_kernel/flash_ops (1.1 GB, see README)
+#   sgl_kernel/flash_ops (1.1 GB, see lab/README.md)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-HERE=scripts/gpu_engines
+HERE=lab/gpu_engines
 STAGES=${1:-all}; [ "$STAGES" = all ] && STAGES="vllm sglang inputs data"
 PART_MB=${PART_MB:-20}
 CALL_MB=${CALL_MB:-60}
@@ -71,7 +71,7 @@ build_stage() {  # $1 = stage
         cp data/prompts/train.jsonl data/prompts/eval.jsonl "$st/prompts/"
       fi
       ;;
-    data)  # the GPU profile's sources (scripts/gpu_run.sh puts them where eaglepipe's bundled/ links look)
+    data)  # the GPU profile's sources (lab/gpu_run.sh puts them where eaglepipe's bundled/ links look)
       rmdir "$st/wheels"
       xz $XZ_OPTS -c bundled/ShareGPT_V3_unfiltered_cleaned_split.json > "$st/ShareGPT_V3_unfiltered_cleaned_split.json.xz"
       cp -L bundled/HumanEval.jsonl.gz "$st/"; cp -L bundled/mt_bench_question.jsonl "$st/question.jsonl"

@@ -1,7 +1,7 @@
 """Check an engine on the device: import it, greedy-generate on a tiny random Llama, print versions.
 
-    python3 scripts/gpu_engines/check.py vllm      # after: source <(scripts/gpu_engines/device.sh env vllm)
-    python3 scripts/gpu_engines/check.py sglang    # after: source <(scripts/gpu_engines/device.sh env sglang)
+    python3 lab/gpu_engines/check.py vllm      # after: source <(lab/gpu_engines/device.sh env vllm)
+    python3 lab/gpu_engines/check.py sglang    # after: source <(lab/gpu_engines/device.sh env sglang)
 
 Run each engine in its own process (they differ in PYTHONPATH and each takes GPU memory).
 The model is built with transformers (no hub, no tokenizer: token ids in, token ids out). The HF greedy

@@ -3,7 +3,7 @@
 #   device.sh stash .gpu/carry/NN     copy this call's part(s) to /tmp/eng and check their sha256
 #   device.sh install vllm|sglang|inputs|data|drafter|draftdata   concatenate the stage's parts, check the whole
 #                                     sha256, install
-#                                     (inputs: unpacked to /tmp/eng/inputs for benchmarks/h200_engines.py)
+#                                     (inputs: unpacked to /tmp/eng/inputs for lab/h200_engines.py)
 #   source <(device.sh env vllm|sglang)   PYTHONPATH + engine env for the checks
 set -euo pipefail
 E=${DEVICE_ENG:-/tmp/eng}

@@ -6,14 +6,14 @@
 # MANIFEST.sha256 is the wheels' (c01..c07) plus the kept tar's and its own parts', so
 #   device.sh stash .gpu/carry/c09 ; ... c09b   (after c01..c06)   and `suite.sh setup` installs the set,
 # `suite.sh draft-restore` puts the draft back in data/drafter, `suite.sh data-restore` the tokens store in data/.
-# Usage: scripts/gpu_engines/keep_drafter.sh drafter|draftdata FILES_AT...
+# Usage: lab/gpu_engines/keep_drafter.sh drafter|draftdata FILES_AT...
 set -euo pipefail
 name=${1:-}
 case $name in drafter) cn=c08 ;; draftdata) cn=c09 ;; *) echo "NAME: drafter or draftdata, not '$name'" >&2; exit 2 ;; esac
 shift; [ $# -ge 1 ] || { echo "FILES_AT: the folder(s) the kept parts came back to" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 c=.gpu/carry
-[ -f $c/MANIFEST.sha256 ] || { echo "$c/MANIFEST.sha256 missing: build the carry first (scripts/gpu_engines/build.sh)" >&2; exit 1; }
+[ -f $c/MANIFEST.sha256 ] || { echo "$c/MANIFEST.sha256 missing: build the carry first (lab/gpu_engines/build.sh)" >&2; exit 1; }
 got=$(mktemp -d); trap 'rm -rf "$got"' EXIT
 for src in "$@"; do cp "$src"/$name.* "$got"/ 2>/dev/null || true; done
 a=$name.tar.xz  # suite.sh keep_set's archive

@@ -21,7 +21,7 @@
 # Together they need more than one 30-minute window: what did not finish is simply missing from `collect`'s
 # res.tgz.
 set -u
-S="bash $REPO_ROOT/scripts/gpu_engines/suite.sh"
+S="bash $REPO_ROOT/lab/gpu_engines/suite.sh"
 export OUT=${OUT:?suite.sh pipeline sets it} REPO_ROOT=${REPO_ROOT:?suite.sh pipeline sets it}
 export EAGLEPIPE_VLLM_ARGS=${EAGLEPIPE_VLLM_ARGS:-'{"gpu_memory_utilization": 0.15}'}
 export EAGLEPIPE_SGLANG_ARGS=${EAGLEPIPE_SGLANG_ARGS:-'{"mem_fraction_static": 0.3}'}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# ON THE DEVICE (the lent H200), repo root, after the carry calls (README.md here: "the suite"). One step per
-# device call; each writes its JSON and log under $OUT; `python benchmarks/h200_engines.py merge --out DIR`
+# ON THE DEVICE (the lent H200), repo root, after the carry calls (lab/README.md). One step per
+# device call; each writes its JSON and log under $OUT; `python lab/h200_engines.py merge --out DIR`
 # HERE turns what came back into benchmarks/h200/*.json.
 #   suite.sh setup      install vllm, sglang, inputs; check.py for both engines (in parallel); prep the target
 #   suite.sh serve-vllm | serve-sglang     EAGLE-3 vs plain, batch 1 and 8, MT-bench first turns
@@ -21,7 +21,7 @@
 #   suite.sh reference  the reference decoder on the serve steps' prompts (greedy outputs kept)
 #   suite.sh draft-data | draft-train | draft-serve | draft-vllm | draft-sglang | draft-sglang-variants | draft-extra |
 #            scaling   issue 13:
-#                       the GPU profile (profiles/gpu.yaml, scripts/gpu_run.sh) in the repo's data/: regenerate
+#                       the GPU profile (profiles/gpu.yaml, lab/gpu_run.sh) in the repo's data/: regenerate
 #                       (vLLM) + gate; online training + export; serve_eval (reference + vLLM, batch 1 and 8); vLLM
 #                       alone (k=3, bf16 and fp32); SGLang serving of that export (and its variants: host trims,
 #                       simulated τ 2.5, k=5); vLLM at k=5 and on HumanEval;
@@ -32,7 +32,7 @@
 #   suite.sh draft-keep | keep | draft-restore   the draft run's data/drafter into ≤ 15 MiB parts (/tmp/keep), those
 #                       parts to $OUT (≤ 3 a call), and, in a later window, the carried parts back to data/drafter
 #                       + the stages up to export (HERE between them: keep_drafter.sh drafter FILES_AT... → c08)
-#   suite.sh ckpt-keep  the same for the best epoch so far of a draft-train still running (a window about to end)
+#   suite.sh ckpt-keep  the same for the best epoch so far of a draft-train still running (a machine about to go)
 #   suite.sh data-keep | data-restore   the same for draft-data's output (data/features, data/validated.json):
 #                       a later window trains without regenerating (keep_drafter.sh draftdata FILES_AT... → c09..)
 #   suite.sh sglang-moe issue 12 item 5: the tiny DeepSeek target's MoE variants through SGLang against hf
@@ -46,19 +46,22 @@
 #      profile's ShareGPT rows average 273 tokens), CHECKS (1: run check.py for both engines in setup; 0: skip),
 #      PLAN (pipeline: its steps, in order; default in pipeline.sh), SHARDS (scaling: default "1 2 4"),
 #      SET (scaling: train params over the profile's, e.g. "train.draft_vocab_size=32768"),
-#      GPU_SET (draft-*: params over profiles/gpu.yaml for scripts/gpu_run.sh, e.g. "prompts.max_turns=3"),
+#      GPU_SET (draft-*: params over profiles/gpu.yaml for lab/gpu_run.sh, e.g. "prompts.max_turns=3"),
 #      VDTYPES (draft-vllm: serving dtypes, default "bfloat16 float32").
 #      Each step bounds its own time (timeout).
 # Measured 2026-12-01: setup 222 s (checks included), serve-vllm 271 s (P=24, NEW=128).
 set -uo pipefail
 cd "${REPO_ROOT:-$(dirname "$0")/../..}"  # pipeline runs a copy of this folder, from the repo root
-d=scripts/gpu_engines/device.sh
+d=lab/gpu_engines/device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RUN_REPO=${RUN_REPO:-/tmp/repo}  # the copy of the repo a pipeline runs in (tests: elsewhere)
-KEEP=${KEEP:-/tmp/keep} RES=${RES:-/tmp/res}  # kept parts, the pipeline's results (tests/test_gpu_scripts.py: elsewhere)
+KEEP=${KEEP:-/tmp/keep} RES=${RES:-/tmp/res}  # kept parts, the pipeline's results (lab/tests: elsewhere)
 P=${P:-24}; NEW=${NEW:-128}; NCONV=${NCONV:-64}
-B="python3 benchmarks/h200_engines.py --out $OUT --prompts $P --max-new $NEW --n $NCONV"
+B="python3 lab/h200_engines.py --out $OUT --prompts $P --max-new $NEW --n $NCONV"
 venv() { source <($d env "$1"); export PYTHONPATH="$PWD:$PYTHONPATH"; }
+gpu_opts() {  # this machine's engine options (h200_engines.py's GPU_VLLM / GPU_SGLANG) under the ones already in
+  # EAGLEPIPE_VLLM_ARGS / EAGLEPIPE_SGLANG_ARGS, for the product's scripts and tests, which read only those
+  eval "$(python3 lab/h200_engines.py env)"; }
 pending_kept() {  # the kept parts not yet returned
   local p; for p in $KEEP/*.tar.xz.part*; do [ -f "$p" ] && [ ! -f $KEEP/.returned-$(basename "$p") ] && echo "$p"; done
 }
@@ -83,10 +86,10 @@ case ${1:-} in
     if ls /tmp/eng/data.tar.part* > /dev/null 2>&1; then $d install data; fi   # the GPU profile's sources (gpu_run.sh)
     if ls /tmp/eng/drafter.tar.xz.part* > /dev/null 2>&1; then $d install drafter; fi   # a kept draft (draft-restore)
     if ls /tmp/eng/draftdata.tar.xz.part* > /dev/null 2>&1; then $d install draftdata; fi   # kept data (data-restore)
-    (venv vllm; python3 -c "import sys; sys.path.insert(0, 'scripts/gpu_engines'); import check; check.build_model()")
+    (venv vllm; python3 -c "import sys; sys.path.insert(0, 'lab/gpu_engines'); import check; check.build_model()")
     if [ "${CHECKS:-1}" = 1 ]; then  # CHECKS=0 saves ~2 min once the serve steps are known to work
-      (venv vllm; python3 scripts/gpu_engines/check.py vllm > "$OUT/check_vllm.log" 2>&1) &
-      (venv sglang; python3 scripts/gpu_engines/check.py sglang > "$OUT/check_sglang.log" 2>&1) &
+      (venv vllm; python3 lab/gpu_engines/check.py vllm > "$OUT/check_vllm.log" 2>&1) &
+      (venv sglang; python3 lab/gpu_engines/check.py sglang > "$OUT/check_sglang.log" 2>&1) &
     fi
     (venv vllm; $B prep > "$OUT/prep.log" 2>&1) &
     set +e; wait; set -e
@@ -122,7 +125,7 @@ case ${1:-} in
     mkdir -p /tmp/w/numerics-$E  # a step's JSON stays here too: the serve parts read their step's in a later call
     [ "$part" = serve-base ] && cp /tmp/w/numerics-$E/numerics_base.json "$OUT/" 2>/dev/null
     [ "$part" = serve-fix ] && cp /tmp/w/numerics-$E/numerics_fix.json "$OUT/" 2>/dev/null
-    (venv "$E"; timeout 560 $NUM > "$OUT/numerics_${part}_$E.log" 2>&1; status=$?
+    (venv "$E"; gpu_opts; timeout 560 $NUM > "$OUT/numerics_${part}_$E.log" 2>&1; status=$?
      cp "$OUT"/numerics_base.json "$OUT"/numerics_fix.json /tmp/w/numerics-$E/ 2>/dev/null
      grep "RESULT\|Error" "$OUT/numerics_${part}_$E.log" | cut -c1-600; exit $status) ;;
   draft-data)  # issue 13: the GPU profile's pipeline up to the offset gate. vLLM regenerates with CUDA graphs, big
@@ -134,10 +137,10 @@ case ${1:-} in
     M=${DATA_MEM:-0.35}
     G='{"gpu_memory_utilization": '$M', "max_num_seqs": 1024, "enforce_eager": false,
         "compilation_config": {"max_cudagraph_capture_size": 1024}}'
-    { GPU_VLLM_ARGS=$G timeout 900 bash scripts/gpu_run.sh check_params target prompts extract > "$OUT/draft_data.log" 2>&1 ||
-      GPU_VLLM_ARGS='{"gpu_memory_utilization": '$M', "max_num_seqs": 1024}' timeout 900 bash scripts/gpu_run.sh \
+    { GPU_VLLM_ARGS=$G timeout 900 bash lab/gpu_run.sh check_params target prompts extract > "$OUT/draft_data.log" 2>&1 ||
+      GPU_VLLM_ARGS='{"gpu_memory_utilization": '$M', "max_num_seqs": 1024}' timeout 900 bash lab/gpu_run.sh \
         extract > "$OUT/draft_data_eager.log" 2>&1; } &&
-    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35}' timeout 300 bash scripts/gpu_run.sh validate_offsets \
+    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.35}' timeout 300 bash lab/gpu_run.sh validate_offsets \
       >> "$OUT/draft_data.log" 2>&1; rc=$?
     grep -h "^=== \|Error" "$OUT"/draft_data*.log | cut -c1-400; exit $rc ;;
   draft-train)  # issue 13: online training (the target in the loop) and export; if it fails, once more with the
@@ -147,24 +150,24 @@ case ${1:-} in
     { nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
       nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu,utilization.gpu,memory.used --format=csv
       nproc; uptime; ps -eo pid,ppid,pcpu,rss,etimes,comm --sort=-pcpu | head -15; } > "$OUT/before_train.txt" 2>&1
-    timeout 1500 bash scripts/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1 ||
-      GPU_SET="${GPU_SET:-} train.compile_capture=false" timeout 1500 bash scripts/gpu_run.sh train_drafter export \
+    timeout 1500 bash lab/gpu_run.sh train_drafter export > "$OUT/draft_train.log" 2>&1 ||
+      GPU_SET="${GPU_SET:-} train.compile_capture=false" timeout 1500 bash lab/gpu_run.sh train_drafter export \
         > "$OUT/draft_train_eager.log" 2>&1; rc=$?
     grep -h "^=== \|epoch .*tau_sim\|Error" "$OUT"/draft_train*.log | cut -c1-400; exit $rc ;;
   draft-serve)  # issue 13: serve_eval (reference decoder, vLLM k=3 at batch 1 and 8), vLLM with CUDA graphs
     # (eager again if that start fails: the figures then say enforce_eager in reports/serve_eval.json's options)
-    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}' timeout 900 bash scripts/gpu_run.sh \
+    GPU_VLLM_ARGS='{"gpu_memory_utilization": 0.3, "enforce_eager": false}' timeout 900 bash lab/gpu_run.sh \
       serve_eval > "$OUT/draft_serve.log" 2>&1 ||
-      timeout 900 bash scripts/gpu_run.sh serve_eval > "$OUT/draft_serve_eager.log" 2>&1; rc=$?
+      timeout 900 bash lab/gpu_run.sh serve_eval > "$OUT/draft_serve_eager.log" 2>&1; rc=$?
     grep -h "^=== \|Error" "$OUT"/draft_serve*.log | cut -c1-400; exit $rc ;;
   draft-sglang|draft-sglang-variants|draft-extra|draft-vllm)  # issue 13: the draft run's export served by SGLang (k=3); vLLM at k=3 in
     # each of $VDTYPES (default bfloat16 float32: as trained, and the reference decoder's dtype); vLLM at k=5, HumanEval
     w=/tmp/w13; mkdir -p $w /tmp/w13in; for x in target export drafter; do ln -sfn "$PWD/data/$x" $w/$x; done
     ln -sfn "$PWD/data/prompts" /tmp/w13in/prompts
-    D="python3 benchmarks/h200_engines.py --work $w --inputs /tmp/w13in --out $OUT --max-new 128"
+    D="python3 lab/h200_engines.py --work $w --inputs /tmp/w13in --out $OUT --max-new 128"
     if [ "$1" = draft-sglang ]; then
       (venv sglang  # CUDA graphs: the deep_gemm stand-in + JIT DeepGEMM off, for this command only (its docstring)
-       PYTHONPATH="$PWD/scripts/gpu_engines/shims_cudagraph:$PYTHONPATH" SGLANG_ENABLE_JIT_DEEPGEMM=0 \
+       PYTHONPATH="$PWD/lab/gpu_engines/shims_cudagraph:$PYTHONPATH" SGLANG_ENABLE_JIT_DEEPGEMM=0 \
        EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false, "mem_fraction_static": 0.3}' \
        timeout 600 $D --prompts 80 --tag _draft serve sglang > "$OUT/draft_sglang.log" 2>&1 ||
        { export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
@@ -172,7 +175,7 @@ case ${1:-} in
        grep -h "RESULT\|Error" "$OUT"/draft_sglang*.log | cut -c1-600)
     elif [ "$1" = draft-sglang-variants ]; then  # each of $SGL_VARIANTS (h200_engines.py's SGLANG_VARIANTS; default
       # trim sim25: host trims, then SGLang's simulated acceptance length 2.5), CUDA graphs as draft-sglang's first try
-      (venv sglang; export PYTHONPATH="$PWD/scripts/gpu_engines/shims_cudagraph:$PYTHONPATH" SGLANG_ENABLE_JIT_DEEPGEMM=0
+      (venv sglang; export PYTHONPATH="$PWD/lab/gpu_engines/shims_cudagraph:$PYTHONPATH" SGLANG_ENABLE_JIT_DEEPGEMM=0
        export EAGLEPIPE_SGLANG_ARGS='{"disable_cuda_graph": false, "mem_fraction_static": 0.3}'
        for v in ${SGL_VARIANTS-trim sim25}; do
          timeout 420 $D --prompts 80 --variant $v --tag _draft_$v serve sglang > "$OUT/draft_sglang_$v.log" 2>&1
@@ -207,7 +210,7 @@ case ${1:-} in
       vllm) (venv vllm; timeout 400 python3 -m pytest -q -ra tests/test_gpu.py tests/test_ttt.py tests/test_graphed.py \
                tests/test_online.py::test_rows_captured_on_a_side_stream_equal_the_serial_ones > "$OUT/gpu_tests_vllm.log" 2>&1
              tail -4 "$OUT/gpu_tests_vllm.log") ;;
-      sglang) (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'
+      sglang) (venv sglang; export EAGLEPIPE_SGLANG_ARGS='{"mem_fraction_static": 0.3}'; gpu_opts
                timeout 300 python3 -m pytest -q -ra tests/test_gpu.py -k sglang > "$OUT/gpu_tests_sglang.log" 2>&1
                tail -4 "$OUT/gpu_tests_sglang.log") ;;
       *) echo "GPU_TESTS: vllm and/or sglang, not $e"; exit 2 ;;
@@ -218,12 +221,11 @@ case ${1:-} in
     # makes them carry c08.. (drafter) or c09, c09b.. (draftdata), and a later window's `setup` + `draft-restore` serves that
     # draft without draft-data and draft-train, or `data-restore` trains without draft-data (the same GPU_SET)
     if [ "$1" = data-keep ]; then keep_set draftdata data features validated.json; else keep_set drafter data drafter; fi ;;
-  ckpt-keep)  # issue 13: the best epoch so far of the draft-train still running in $RUN_REPO (train.save_best_so_far),
+  ckpt-keep)  # the best epoch so far of the draft-train still running in $RUN_REPO (lab/save_best_so_far.py),
     # kept as draft-keep keeps a finished draft (same name: keep_drafter.sh drafter, draft-restore), its first ≤ 3
-    # parts returned by this call: for a window about to end (the eighteenth ended in epoch 3 with nothing kept)
+    # parts returned by this call: for a machine about to be taken back mid-training
     t=$(mktemp -d)
-    (cd $RUN_REPO && venv vllm && python3 -c "import json, sys; from eaglepipe.train.loop import save_best_so_far as s; from eaglepipe.stage import scratch_dir_of as d
-print('INTERIM', json.dumps(s(d('data/drafter'), sys.argv[1])))" "$t/drafter") || exit 1
+    (cd $RUN_REPO && venv vllm && python3 lab/save_best_so_far.py data/drafter "$t/drafter") || exit 1
     keep_set drafter "$t" drafter && return_kept && ls -l "$OUT"; rc=$?; rm -rf "$t"; exit $rc ;;
   keep) return_kept && ls -l "$OUT" ;;
   draft-restore|data-restore)  # a kept set (installed by setup) back in data/, then the stages it needs:
@@ -234,10 +236,10 @@ print('INTERIM', json.dumps(s(d('data/drafter'), sys.argv[1])))" "$t/drafter") |
     src=/tmp/eng/$name; log="$OUT/${1/-/_}.log"
     [ -n "$(ls -A $src 2>/dev/null)" ] || { echo "no carried $name in $src (stash $c before setup)"; exit 1; }
     mkdir -p data; for x in $src/*; do rm -rf "data/$(basename "$x")"; done; cp -r $src/* data/
-    timeout 300 bash scripts/gpu_run.sh $stages > "$log" 2>&1; rc=$?
+    timeout 300 bash lab/gpu_run.sh $stages > "$log" 2>&1; rc=$?
     grep "^=== \|Error" "$log" | cut -c1-400; exit $rc ;;
-  sglang-moe)  # issue 12 item 5: which part of SGLang 0.5.17's DeepSeek path departs (benchmarks/sglang_moe_variants.py)
-    (venv sglang; timeout 330 python3 benchmarks/sglang_moe_variants.py --out "$OUT" --work /tmp/w/moe --budget 270 \
+  sglang-moe)  # issue 12 item 5: which part of SGLang 0.5.17's DeepSeek path departs (lab/sglang_moe_variants.py)
+    (venv sglang; timeout 330 python3 lab/sglang_moe_variants.py --out "$OUT" --work /tmp/w/moe --budget 270 \
        > "$OUT/sglang_moe.log" 2>&1; grep "RESULT\|Error" "$OUT/sglang_moe.log" | cut -c1-500) ;;
   scaling)  # issue 13: drafts on the first 1, 2, 4 shards of the draft run's tokens store (benchmarks/scaling.py)
     (venv vllm; export PYTHONPATH="$PWD:/tmp/eaglepipe-pkgs:$PYTHONPATH"
@@ -256,7 +258,7 @@ print('INTERIM', json.dumps(s(d('data/drafter'), sys.argv[1])))" "$t/drafter") |
       kill -TERM -- -"$old" 2>/dev/null; sleep 10; kill -KILL -- -"$old" 2>/dev/null
     fi
     mkdir -p $RES $RUN_REPO; tar -cf - --exclude=./.gpu --exclude=./data . | tar -xf - -C $RUN_REPO
-    REPO_ROOT=$RUN_REPO OUT=$RES setsid nohup bash $RUN_REPO/scripts/gpu_engines/pipeline.sh \
+    REPO_ROOT=$RUN_REPO OUT=$RES setsid nohup bash $RUN_REPO/lab/gpu_engines/pipeline.sh \
       > $RES/pipeline.log 2>&1 < /dev/null &
     echo $! > $RES/pipeline.pid  # setsid execs (a background job is no group leader): this pid leads the session
     sleep 5; cat $RES/steps.txt ;;

@@ -1,4 +1,4 @@
-"""The GPU window's keep path, run here on CPU with the real scripts (scripts/gpu_engines/): what one window
+"""The GPU window's keep path, run here on CPU with the real scripts (lab/gpu_engines/): what one window
 finished (draft-data's tokens store, a trained draft) comes back in ≤ 15 MiB parts with `suite.sh watch`,
 becomes a carry folder with `keep_drafter.sh`, and a later window stashes and installs it byte for byte beside
 the wheels' carries. Four H200 windows in a row lost their machine mid-run, so this is what a run resumes from.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ("suite.sh", "device.sh", "keep_drafter.sh")
 
 pytestmark = pytest.mark.skipif(shutil.which("split") is None or shutil.which("sha256sum") is None,
@@ -36,9 +36,9 @@ def window(tmp_path):
     finished pipeline's results folder, a stand-in wheels carry c01 and its MANIFEST; the env pointing
     suite.sh's and device.sh's /tmp folders into tmp_path."""
     repo = tmp_path / "repo"
-    (repo / "scripts/gpu_engines").mkdir(parents=True)
+    (repo / "lab/gpu_engines").mkdir(parents=True)
     for s in SCRIPTS:
-        shutil.copy(REPO / "scripts/gpu_engines" / s, repo / "scripts/gpu_engines" / s)
+        shutil.copy(REPO / "lab/gpu_engines" / s, repo / "lab/gpu_engines" / s)
     feats = repo / "data/features"
     feats.mkdir(parents=True)
     (feats / "shard-00000.safetensors").write_bytes(os.urandom(70_000_000))
@@ -65,13 +65,13 @@ def window(tmp_path):
 
 
 def _watch(repo: Path, env: dict, out: Path) -> list[str]:
-    _sh(repo, {**env, "OUT": str(out)}, "scripts/gpu_engines/suite.sh", "watch", "600", check=False)  # rc ≠ 0:
+    _sh(repo, {**env, "OUT": str(out)}, "lab/gpu_engines/suite.sh", "watch", "600", check=False)  # rc ≠ 0:
     return sorted(p.name for p in out.iterdir())  # no nvidia-smi here; 600 s: a wait would time the call out
 
 
 def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
     repo, env, tmp = window
-    suite = "scripts/gpu_engines/suite.sh"
+    suite = "lab/gpu_engines/suite.sh"
     _sh(repo, {**env, "OUT": str(tmp / "out0")}, suite, "data-keep")
     # the device returns ≤ 8 files, 64 MiB a call: ≤ 3 parts a watch, at once while some are left, each once
     parts = [f"draftdata.tar.xz.part0{i}" for i in range(5)]
@@ -89,17 +89,17 @@ def test_kept_data_comes_back_once_and_installs_byte_for_byte(window):
     _sh(repo, {**env, "OUT": str(tmp / "out3")}, suite, "watch", "5", check=False)
     assert sorted(p.name for p in (tmp / "out3").iterdir()) == ["drafter.sha256", "drafter.tar.xz.part00", "res.tgz"]
 
-    keep = "scripts/gpu_engines/keep_drafter.sh"
+    keep = "lab/gpu_engines/keep_drafter.sh"
     r = _sh(repo, env, keep, "draftdata", str(tmp / "out1"), str(tmp / "out2"))  # ≤ 4 parts (60 MiB) a carry
     assert "carry .gpu/carry/c09: " in r.stdout and "carry .gpu/carry/c09b: " in r.stdout
     assert sorted(p.name for p in (repo / ".gpu/carry/c09b").iterdir()) == ["MANIFEST.sha256", parts[4]]
     assert "carry .gpu/carry/c08: " in _sh(repo, env, keep, "drafter", str(tmp / "out3")).stdout
     for c in ("c01", "c08", "c09", "c09b"):  # a later window: the wheels' carry, then the kept ones; manifests merge
-        _sh(repo, env, "scripts/gpu_engines/device.sh", "stash", f".gpu/carry/{c}")
+        _sh(repo, env, "lab/gpu_engines/device.sh", "stash", f".gpu/carry/{c}")
     names = [line.split()[1] for line in (tmp / "eng/MANIFEST.sha256").read_text().splitlines()]
     assert {"vllm.tar", "vllm.tar.part00", "drafter.tar.xz", "draftdata.tar.xz", "draftdata.tar.xz.part00"} <= set(names)
     for kept in ("drafter", "draftdata"):
-        _sh(repo, env, "scripts/gpu_engines/device.sh", "install", kept)
+        _sh(repo, env, "lab/gpu_engines/device.sh", "install", kept)
     drafter = tmp / "eng/drafter/drafter/model.safetensors"
     assert drafter.read_bytes() == (repo / "data/drafter/model.safetensors").read_bytes()
     back = tmp / "eng/draftdata"
@@ -116,7 +116,7 @@ def test_watch_holds_the_machine_past_a_step_that_ends_well_and_returns_at_one_t
     repo, env, tmp = window
     (tmp / "res/DONE").unlink()  # the pipeline still running
     steps = tmp / "res/steps.txt"
-    cmd = ["bash", "scripts/gpu_engines/suite.sh", "watch", "60"]
+    cmd = ["bash", "lab/gpu_engines/suite.sh", "watch", "60"]
     w = subprocess.Popen(cmd, cwd=repo, env={**os.environ, **env, "OUT": str(tmp / "outw")},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -135,14 +135,14 @@ def test_watch_holds_the_machine_past_a_step_that_ends_well_and_returns_at_one_t
 
 def test_parts_that_do_not_make_the_kept_tar_are_refused(window):
     repo, env, tmp = window
-    _sh(repo, {**env, "OUT": str(tmp / "out0")}, "scripts/gpu_engines/suite.sh", "data-keep")
-    _sh(repo, {**env, "OUT": str(tmp / "out1")}, "scripts/gpu_engines/suite.sh", "watch", "5", check=False)
+    _sh(repo, {**env, "OUT": str(tmp / "out0")}, "lab/gpu_engines/suite.sh", "data-keep")
+    _sh(repo, {**env, "OUT": str(tmp / "out1")}, "lab/gpu_engines/suite.sh", "watch", "5", check=False)
     part = tmp / "out1/draftdata.tar.xz.part01"
     b = bytearray(part.read_bytes())
     b[1000] ^= 0xFF  # one byte changed in transit
     part.write_bytes(bytes(b))
-    _sh(repo, {**env, "OUT": str(tmp / "out2")}, "scripts/gpu_engines/suite.sh", "watch", "5", check=False)
-    keep = "scripts/gpu_engines/keep_drafter.sh"
+    _sh(repo, {**env, "OUT": str(tmp / "out2")}, "lab/gpu_engines/suite.sh", "watch", "5", check=False)
+    keep = "lab/gpu_engines/keep_drafter.sh"
     r = _sh(repo, env, keep, "draftdata", str(tmp / "out1"), str(tmp / "out2"), check=False)
     assert r.returncode == 1 and "do not make the draftdata.tar.xz" in r.stderr
     r = _sh(repo, env, keep, "draftdata", str(tmp / "out2"), check=False)  # a part missing: refused too
@@ -152,7 +152,7 @@ def test_parts_that_do_not_make_the_kept_tar_are_refused(window):
 
 
 def test_slim_keeps_counts_of_equal_outputs_not_the_token_ids(tmp_path):
-    """benchmarks/h200_engines.py slim: drafted-vs-plain equality per prompt, where the first pairs differ, and
+    """lab/h200_engines.py slim: drafted-vs-plain equality per prompt, where the first pairs differ, and
     plain-vs-the-other-engine's plain on the same prompts in the same dtype; the token lists are dropped."""
     def serve(name, engine, dtype, draft, plain):
         f = tmp_path / f"{name}.json"
@@ -165,7 +165,7 @@ def test_slim_keeps_counts_of_equal_outputs_not_the_token_ids(tmp_path):
     f = serve("f", "vllm", "float32", [[1]], [[1]])
     out = tmp_path / "out"
     out.mkdir()
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "h200_engines.py"), "slim", v, s, f, "--tag", "_x",
+    subprocess.run([sys.executable, str(REPO / "lab" / "h200_engines.py"), "slim", v, s, f, "--tag", "_x",
                     "--dest", str(out), "--note", "n"], check=True, capture_output=True)
     got = {n: json.loads((out / f"{n}_x.json").read_text()) for n in ("v", "s", "f")}
     assert got["v"]["outputs_equal_count"] == "2/3" and got["v"]["first_differences_at_token"] == [1]
@@ -184,7 +184,7 @@ def test_a_new_pipeline_stops_the_one_still_running(window):
     import time
 
     repo, env, tmp = window
-    (repo / "scripts/gpu_engines/pipeline.sh").write_text(
+    (repo / "lab/gpu_engines/pipeline.sh").write_text(
         'echo "start" > "$OUT/steps.txt"; sleep 300 & echo $! > "$OUT/child.pid"; wait\n')
     env = {**env, "RUN_REPO": str(tmp / "run"), "OUT": str(tmp / "out")}
     res = tmp / "res"
@@ -192,11 +192,11 @@ def test_a_new_pipeline_stops_the_one_still_running(window):
     def alive(pid: int) -> bool:
         return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
 
-    _sh(repo, env, "scripts/gpu_engines/suite.sh", "pipeline")
+    _sh(repo, env, "lab/gpu_engines/suite.sh", "pipeline")
     first, first_child = int((res / "pipeline.pid").read_text()), int((res / "child.pid").read_text())
     assert alive(first) and alive(first_child)
     try:
-        r = _sh(repo, env, "scripts/gpu_engines/suite.sh", "pipeline")
+        r = _sh(repo, env, "lab/gpu_engines/suite.sh", "pipeline")
         assert f"stopping the pipeline still running (session {first})" in r.stdout
         time.sleep(1)
         assert not alive(first) and not alive(first_child)  # the step's own processes too
@@ -215,11 +215,11 @@ def test_sglang_variants_name_server_args_and_variables_sglang_has():
     from sglang.srt.environ import envs
     from sglang.srt.server_args import ServerArgs
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "lab"))
     try:
         from h200_engines import SGLANG_VARIANTS
     finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+        sys.path.remove(str(REPO / "lab"))
     fields = {n for c in ServerArgs.__mro__ for n in getattr(c, "__annotations__", {})}
     assert {"stream_interval", "attention_backend"} <= fields and "no_such_arg" not in fields
     for name, (k, env, args) in SGLANG_VARIANTS.items():

@@ -13,5 +13,5 @@ which the step sets to 0 (an earlier stand-in without it broke the DeepSeek path
 
 
 def __getattr__(name: str):
-    raise AttributeError(f"deep_gemm.{name}: DeepGEMM is not carried to this machine (scripts/gpu_engines/"
+    raise AttributeError(f"deep_gemm.{name}: DeepGEMM is not carried to this machine (lab/gpu_engines/"
                          "shims_cudagraph/deep_gemm); only DeepSeek sparse-attention or FP8 paths need it")
