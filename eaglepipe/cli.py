@@ -40,10 +40,48 @@ def _run_inspect(args) -> int:
     return 0 if report.ok else 1
 
 
+# An argument ``dvc exp run`` refuses (unrecognized), printed in place of the arguments when the profile is bad:
+# ``dvc exp run $(eaglepipe profile P)`` then stops before any stage instead of running on params.yaml alone.
+PROFILE_FAILED = "--eaglepipe-profile-failed"
+
+
+def _add_profile(sub) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="a params profile as `dvc exp run -S` arguments: dvc exp run $(eaglepipe profile profiles/gpu.yaml)",
+        description="Print the `dvc exp run` arguments (-S key.path=value, one argument per line) that apply the "
+        "profiles, in order, over params.yaml, after validating the result. Values with spaces do not survive "
+        "the shell's $(...); pass the lines as they are: mapfile -t a < <(eaglepipe profile P); "
+        'dvc exp run "${a[@]}". On a bad profile the reason goes to stderr, and stdout gets only '
+        f"{PROFILE_FAILED}, which dvc exp run refuses before running anything.",
+    )
+    p.add_argument("profiles", nargs="+", help="profile YAML files (e.g. profiles/gpu.yaml), later ones winning")
+    p.add_argument("--params", default="params.yaml", help="the params file they apply over (default params.yaml)")
+    p.set_defaults(run=_run_profile)
+
+
+def _run_profile(args) -> int:
+    from eaglepipe.errors import ParamsError
+    from eaglepipe.profiles import profile_sets
+
+    try:
+        sets = profile_sets(*args.profiles, params_path=args.params)
+    except ParamsError:
+        print(PROFILE_FAILED)
+        raise
+    spaced = [a.split("=", 1)[0] for a in sets if any(c.isspace() for c in a)]
+    if spaced:
+        print(f"eaglepipe profile: {', '.join(spaced)} hold(s) whitespace, which $(...) would split: use "
+              'mapfile -t a < <(eaglepipe profile ...); dvc exp run "${a[@]}"', file=sys.stderr)
+    print("\n".join(sets))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglepipe", description="EAGLE-3 draft models for SGLang and vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
+    _add_profile(sub)
     return parser
 
 
