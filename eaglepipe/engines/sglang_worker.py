@@ -14,6 +14,7 @@ one), ``capture``, ``generate``, ``stop`` and ``exit``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,10 @@ from eaglepipe.errors import CaptureMismatch, EaglepipeError
 WORKER_MODULE = "eaglepipe.engines.sglang"
 # Set to "1" in the worker's environment (inherited by SGLang's subprocesses) when the CPU stand-ins apply.
 SHIM_ENV = "EAGLEPIPE_SGLANG_CPU_SHIM"
+# The Python interpreter that runs the worker (default: this process's own). SGLang may live in a virtual
+# environment of its own (scripts/setup.sh's GPU route: .venv-sglang, its torch pin differs from vLLM's); that
+# environment must hold eaglepipe too (the worker runs ``python -m eaglepipe.engines.sglang``).
+PYTHON_ENV = "EAGLEPIPE_SGLANG_PYTHON"
 
 
 class SGLangError(EaglepipeError):
@@ -120,6 +125,21 @@ def worker_main(conn: Connection) -> None:
 # ------------------------------------------------------------------------------------------ the driver side
 
 
+def worker_python() -> str:
+    """The worker's interpreter: ``$EAGLEPIPE_SGLANG_PYTHON`` when set (a path, or a name looked up on PATH),
+    else ``sys.executable``. Raises SGLangError naming the variable when it names no executable file."""
+    value = os.environ.get(PYTHON_ENV)
+    if not value:
+        return sys.executable
+    path = shutil.which(value)
+    if path is None:
+        raise SGLangError(
+            f"{PYTHON_ENV}={value!r} is not an executable file: it names the Python interpreter that runs the "
+            f"SGLang worker (its environment needs sglang and eaglepipe); unset it to use {sys.executable}"
+        )
+    return path
+
+
 class Worker:
     """The driver's handle on one worker process, started on the first :meth:`call`.
 
@@ -133,13 +153,16 @@ class Worker:
         self.timeout = timeout
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._python: str | None = None  # the interpreter of the running worker
 
     @property
     def running(self) -> bool:
         return self._proc is not None
 
     def _spawn(self) -> None:
-        """Start ``python -m eaglepipe.engines.sglang FD`` with one end of a socket pair as its pipe."""
+        """Start ``python -m eaglepipe.engines.sglang FD`` (python: :func:`worker_python`) with one end of a
+        socket pair as its pipe."""
+        python = worker_python()
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ, HF_HUB_OFFLINE="1")  # targets are local folders; never reach for a hub
         env[SHIM_ENV] = "1" if self.device == "cpu" else "0"
@@ -147,8 +170,9 @@ class Worker:
             env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU branches (without it: GPU paths, vllm imports)
         fd = child_sock.fileno()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE, str(fd)], env=env, pass_fds=(fd,), start_new_session=True,
+            [python, "-m", WORKER_MODULE, str(fd)], env=env, pass_fds=(fd,), start_new_session=True,
         )
+        self._python = python
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
 
@@ -157,16 +181,17 @@ class Worker:
         worker: then killed, and the next call starts a new one)."""
         if self._proc is None:
             self._spawn()
-        self._conn.send((op, kw))
-        if not self._conn.poll(self.timeout):
-            self.kill()
-            raise SGLangError(f"SGLang worker gave no answer to {op!r} within {self.timeout:.0f} s; killed it")
         try:
+            self._conn.send((op, kw))
+            if not self._conn.poll(self.timeout):
+                self.kill()
+                raise SGLangError(f"SGLang worker gave no answer to {op!r} within {self.timeout:.0f} s; killed it")
             status, result = self._conn.recv()
-        except EOFError:
+        except (EOFError, BrokenPipeError, ConnectionResetError):  # gone (e.g. its interpreter could not run it)
             code = self._proc.wait(10)
             self.kill()
-            raise SGLangError(f"SGLang worker died during {op!r} (exit code {code})") from None
+            raise SGLangError(f"SGLang worker died during {op!r} (exit code {code}; interpreter {self._python}, "
+                              f"{PYTHON_ENV} chooses it)") from None
         if status == "error":
             raise SGLangError(f"SGLang failed during {op!r} (worker traceback follows)\n{result}")
         return result
