@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from eaglepipe.contract.boundaries import list_problem
 from eaglepipe.engine_table import NAMES as ENGINE_NAMES
@@ -24,20 +24,27 @@ class _Strict(BaseModel):
 
 
 class TargetParams(_Strict):
-    source: str = Field("smollm2-135m-instruct", description="bundled GGUF name or a local HF folder")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Stage `target`: where the target model comes from, and the dtype its HF folder is written in."""
+
+    source: str = Field("smollm2-135m-instruct", description="a local HF folder, a .gguf file, or the bundled "
+                        "name 'smollm2-135m-instruct'; a DVC dependency, so its contents are hashed")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the weights written "
+                                                             "to data/target/")
 
 
 class PromptsParams(_Strict):
-    source: str = Field("sharegpt", description="'sharegpt' or a .json (ShareGPT) / .jsonl (messages) path")
+    """Stage `prompts`: which conversations are read, how they are cut, and the train/eval split."""
+
+    source: str = Field("sharegpt", description="'sharegpt' (the bundled file) or a path: a .json ShareGPT list or "
+                        "a .jsonl of OpenAI 'messages' records; a DVC dependency")
     max_records: int = Field(4000, ge=0, description="records read before filtering (0 = all)")
     max_turns: int = Field(1, ge=1, description="user→assistant exchanges kept per conversation")
     max_chars: int = Field(1200, ge=16, description="messages are cut to this many characters")
     drop_leading_assistant: bool = Field(False, description="drop assistant messages that open a conversation "
                                          "(FastChat's ShareGPT rule) instead of skipping it as role_order")
-    train: int = Field(128, ge=1)
-    eval: int = Field(16, ge=0)
-    mtbench: bool = True
+    train: int = Field(128, ge=1, description="conversations kept for training")
+    eval: int = Field(16, ge=0, description="held-out conversations added to the eval prompts")
+    mtbench: bool = Field(True, description="add MT-bench's 80 first turns to eval (measured first)")
     humaneval: int = Field(0, ge=0, le=164, description="HumanEval problems added to eval (a second benchmark)")
     synthetic: int = Field(0, ge=0, description="self-written training conversations added to train (Magpie, Xu et "
                            "al. 2024, arXiv:2406.08464): extract has the target write the user turn from its chat "
@@ -48,32 +55,39 @@ class PromptsParams(_Strict):
         "prompts.synthetic (Magpie's system-prompt control, arXiv:2406.08464 §2.2): record i is written under topic "
         "i mod len, then answered and trained without it (the template's default system turn, as served); [] = "
         "none")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the train/eval split")
 
 
 class ExtractParams(_Strict):
-    engine: Engine = "hf"
-    regenerate: bool = True
+    """Stage `extract`: regeneration, tokenization and the capture of the aux states h[k] and h[N]."""
+
+    engine: Engine = Field("hf", description="engine that captures the training features: hf | vllm | sglang")
+    regenerate: bool = Field(True, description="replace the assistant turns by the target's own answers")
     regenerate_engine: Engine | None = Field(
         None, description="engine that writes the regenerated assistant turns (null: extract.engine). Only text "
         "crosses over: the features still come from extract.engine, e.g. vllm regenerating at GPU speed for a "
         "tokens store whose features the hf capture computes online")
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    max_new_tokens: int = Field(64, ge=1, description="tokens generated per regenerated assistant turn")
+    temperature: float = Field(0.0, ge=0.0, description="regeneration temperature; 0 = greedy (recorded in the "
+                               "manifest)")
     synthetic_temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the user turns the "
                                          "target writes for prompts.synthetic conversations (Magpie's 1.0)")
-    seed: int = 0
-    batch_size: int = Field(16, ge=1)
-    max_length: int = Field(512, ge=8)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    # The dtype the engine computes in; bf16 where the engine has no fp32 kernels (vLLM's MLA backends on
-    # CUDA: vllm/v1/attention/backends/mla/*.py ``supported_dtypes``) or to match a bf16 serving engine.
-    engine_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    shard_size: int = Field(64, ge=1)
+    seed: int = Field(0, description="sampling seed of regeneration and of self-written user turns (request i "
+                      "gets seed + i)")
+    batch_size: int = Field(16, ge=1, description="sequences per generate / capture batch")
+    max_length: int = Field(512, ge=8, description="tokens per sample after templating (longer samples are cut)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="dtype of the stored "
+                                                             "features")
+    # bf16 where the engine has no fp32 kernels (vLLM's MLA backends on CUDA: vllm/v1/attention/backends/mla/*.py
+    # ``supported_dtypes``) or to match a bf16 serving engine.
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the capturing engine computes in (bfloat16 for MLA targets on vLLM/CUDA, or "
+        "to match a bf16 serving engine)")
+    shard_size: int = Field(64, ge=1, description="samples per feature shard")
     workers: int = Field(1, ge=1, description="processes extracting shards side by side, each with its own "
                          "engine instances (shard i goes to worker i mod workers); the shards are the same bytes "
                          "for any count. For a GPU whose small target decodes at the speed of vLLM's per-step CPU "
-                         "work (the H200 profile); 1 = in the stage's own process")
+                         "work; 1 = in the stage's own process")
     store: Literal["features", "tokens"] = Field(
         "features", description="features: shards hold h[k] and h[N] per token (offline training); tokens: token "
         "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "
@@ -93,12 +107,16 @@ class ExtractParams(_Strict):
 
 
 class ValidateParams(_Strict):
-    samples: int = Field(4, ge=1)
-    search: int = Field(2, ge=0, le=8)
-    min_cosine: float = Field(0.999, gt=0.0, le=1.0)
+    """Stage `validate_offsets`: the gate that re-captures stored samples through the serving engine."""
+
+    samples: int = Field(4, ge=1, description="stored samples re-captured through the serving engine")
+    search: int = Field(2, ge=0, le=8, description="neighbouring boundaries searched on each side of the exported "
+                        "id")
+    min_cosine: float = Field(0.999, gt=0.0, le=1.0, description="below this mean cosine at offset 0 the gate "
+                              "fails (a numerics gap)")
     min_match_cosine: float = Field(0.9, gt=0.0, le=1.0, description="a stored layer whose best cosine over "
-                                    "the ±search window is below this matches no capture at all: the gate "
-                                    "names no offset then (verdict 'mismatch')")
+                                    "the boundaries within ±search is below this matches no capture at all: the "
+                                    "gate names no offset then (verdict 'mismatch')")
     max_rel_l2: float = Field(0.05, gt=0.0, description="above this relative L2 at offset 0 the gate fails "
                               "(a numerics gap, like a cosine below min_cosine)")
     quantization: str | None = Field(None, description="validate against the serving engine quantized this way "
@@ -110,28 +128,36 @@ class ValidateParams(_Strict):
 
 
 class TrainParams(_Strict):
-    draft_vocab_size: int = Field(8192, ge=2)
+    """Stage `train_drafter`: the EAGLE-3 draft, its training-time-test unroll and the optimizer."""
+
+    draft_vocab_size: int = Field(8192, ge=2, description="draft vocabulary: the most frequent predicted target "
+                                  "tokens (d2t offsets / t2d mask map it to the target's)")
     draft_intermediate_size: int = Field(0, ge=0, description="width of the draft's MLP (its config.json "
                                          "intermediate_size); 0 = the target's. Both engines build the draft "
                                          "layer's MLP from the draft's own config (vLLM llama_eagle3.py / SGLang "
                                          "llama_eagle3.py via llama.py's LlamaMLP), so any width serves")
-    ttt_steps: int = Field(3, ge=1, le=16)
-    step_decay: float = Field(0.8, gt=0.0, le=1.0)
-    epochs: int = Field(6, ge=1)
-    lr: float = Field(3e-3, gt=0.0)
-    warmup_steps: int = Field(10, ge=0)
-    batch_tokens: int = Field(2048, ge=16)
-    grad_accum: int = Field(1, ge=1)
-    grad_clip: float = Field(0.5, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    checkpoint_every: int = Field(100, ge=1)
+    ttt_steps: int = Field(3, ge=1, le=16, description="training-time-test unroll: steps the draft runs on its "
+                           "own hidden output")
+    step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of TTT step j is step_decay**j")
+    epochs: int = Field(6, ge=1, description="passes over the training samples; the epoch with the best held-out "
+                        "τ_sim is kept")
+    lr: float = Field(3e-3, gt=0.0, description="AdamW peak learning rate (linear warmup, then cosine decay to 0)")
+    warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear warmup")
+    batch_tokens: int = Field(2048, ge=16, description="tokens per packed row (one micro-batch); a longer sample "
+                              "is refused")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    grad_clip: float = Field(0.5, gt=0.0, description="gradient-norm clipping threshold")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of the feature samples held out for τ_sim")
+    checkpoint_every: int = Field(100, ge=1, description="optimizer steps between checkpoints (a killed run "
+                                  "resumes from the last)")
     packing: Literal["greedy", "length"] = Field(
         "greedy", description="rows of ≤ batch_tokens: greedy in shuffled order, or length-grouped (first-fit "
         "decreasing, less padding for fixed-shape batches); both report train padding_fraction")
-    seed: int = 0
-    fast: bool = Field(False, description="fast TTT step (ttt.ttt_unroll_fast: flex attention and torch.compile "
-                       "on CUDA, chunked soft cross-entropy); same results as the plain step. Online (a tokens "
+    seed: int = Field(0, description="seed of the held-out split, the draft's initialization and the packing "
+                      "order")
+    fast: bool = Field(False, description="fast TTT step (flex attention and torch.compile on CUDA, chunked soft "
+                       "cross-entropy); same losses and gradients as the plain step. Online (a tokens "
                        "store) on CUDA it also compiles the target's decoder layers for the capture "
                        "(engines.hf.compile_layers)")
     freeze_lm_head: bool = Field(False, description="keep lm_head at its init (the target's draft-vocab rows), "
@@ -140,19 +166,22 @@ class TrainParams(_Strict):
         "fp32", description="precision of the target lm_head product for the soft targets on CUDA (CPU: fp32)")
     capture_stream: bool = Field(True, description="online training on CUDA: the target's capture of the next "
                                  "rows runs on a CUDA stream of its own, beside the training step (false: on the "
-                                 "training's stream, one after the other); same features either way. Only for an eager capture: "
-                                 "a compiled one (train.fast with compile_capture) runs in the training thread, "
-                                 "where this has no effect (train.BatchStream)")
+                                 "training's stream, one after the other); same features either way. Only for an "
+                                 "eager capture: a compiled one (train.fast with compile_capture) runs in the "
+                                 "training thread, where this has no effect")
     compile_capture: bool = Field(True, description="with train.fast, online, on CUDA: the target's decoder layers "
-                                  "compiled for the capture (engines.hf.compile_layers; 2.4-2.7x the eager capture "
-                                  "on the H200). false: the eager capture (then capture_stream applies); same "
-                                  "features either way, so a run resumes across it")
+                                  "compiled for the capture (engines.hf.compile_layers). false: the eager capture "
+                                  "(then capture_stream applies); same features either way, so a run resumes "
+                                  "across it")
 
 
 class ServeParams(_Strict):
+    """Stage `serve_eval`: how served acceptance and speed are measured, and when the pipeline fails."""
+
     k: int = Field(3, ge=1, le=16, description="drafted tokens per step")
-    max_new_tokens: int = Field(64, ge=1)
-    prompts: int = Field(16, ge=1)
+    max_new_tokens: int = Field(64, ge=1, description="tokens decoded per eval prompt")
+    prompts: int = Field(16, ge=1, description="eval prompts measured (MT-bench first turns first, then HumanEval, "
+                         "then held-out conversations)")
     batch_sizes: list[Annotated[int, Field(ge=1)] | None] = Field(
         [None], min_length=1, description="concurrency levels the engine is timed at, each on the same two "
         "instances (null: every prompt at once; 1: one request at a time, the latency case); the first gives "
@@ -166,8 +195,15 @@ class ServeParams(_Strict):
 
 
 class Params(_Strict):
+    """All of params.yaml: the boundary layers, the serving engine and one section per stage."""
+
     layers: list[int] = Field(description="aux boundary indices h[k], ascending, unique, in [0, N-1]")
-    framework: Engine = "vllm"
+    framework: Engine = Field("vllm", description="serving engine validated and measured against: vllm | sglang "
+                              "| hf")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs (on a CPU: core groups) the vllm and sglang engines shard the target over in "
+        "regeneration, extraction, validate_offsets and serve_eval (vLLM tensor_parallel_size, SGLang tp_size); "
+        "the hf engine runs it on one device")
     target: TargetParams = TargetParams()
     prompts: PromptsParams = PromptsParams()
     extract: ExtractParams = ExtractParams()
@@ -184,6 +220,19 @@ class Params(_Strict):
         if problem:
             raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _parallel_engines(self) -> "Params":
+        if self.tensor_parallel_size == 1:
+            return self
+        hf = [f"{k}: {v}" for k, v in (("framework", self.framework), ("extract.engine", self.extract.engine),
+                                       ("extract.regenerate_engine", self.extract.regenerate_engine),
+                                       ("extract.store", self.extract.store)) if v in ("hf", "tokens")]
+        if hf:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} shards the target in vllm or sglang, "
+                             f"but {', '.join(hf)} runs it whole on one device in the hf engine (extract.store: "
+                             "tokens captures online with it); use vllm or sglang there and extract.store: features")
+        return self
 
     @field_validator("extract")
     @classmethod
@@ -202,6 +251,8 @@ def _format(err: ValidationError) -> str:
         key = key.replace("validate_", "validate")
         if e["type"] == "extra_forbidden":
             lines.append(f"params.yaml: unknown key '{key}' (value {e['input']!r}); remove or rename it")
+        elif not e["loc"]:  # a rule across sections: the message names its keys
+            lines.append(f"params.yaml: {e['msg'].removeprefix('Value error, ')}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"params.yaml: '{key}' = {e['input']!r}: {msg}")

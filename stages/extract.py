@@ -36,7 +36,8 @@ def main():
             logging.getLogger("extract").warning("%s", plan.message(p.layers, info.n_layers))
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
     manifest, stats = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir,
-                              scratch_dir_of(out_dir), prompts_hash, gate_samples=p.validate_.samples)
+                              scratch_dir_of(out_dir), prompts_hash, gate_samples=p.validate_.samples,
+                              tensor_parallel_size=p.tensor_parallel_size)
     write_metrics(metrics, {"engine": manifest["engine"], "engine_version": manifest["engine_version"],
                             "layers": p.layers, "dtype": p.extract.dtype, "store": p.extract.store, **asdict(stats)})
 

@@ -28,7 +28,7 @@ from eaglepipe.serving.evaluate import (
 from eaglepipe.stage import run, start, write_metrics
 
 
-def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s) -> dict | None:
+def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s, tp: int = 1) -> dict | None:
     """The real engine's served result (None for `hf`; a recorded skip where it cannot serve here, e.g. SGLang
     without CUDA: recorded, not faked)."""
     if framework not in SERVING:
@@ -36,7 +36,7 @@ def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, 
     try:
         opts = {"quantization": s.quantization} if s.quantization else {}  # the target's; the draft stays as is
         return serve_eagle3(framework, target_dir, export_dir / framework, ids, s.k, s.max_new_tokens,
-                            batch_sizes=tuple(s.batch_sizes), dtype=s.engine_dtype, **opts)
+                            batch_sizes=tuple(s.batch_sizes), dtype=s.engine_dtype, tensor_parallel_size=tp, **opts)
     except ServingUnavailable as e:
         return {"skipped": str(e)}
 
@@ -49,7 +49,8 @@ def main():
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],
            "params": {"layers": p.layers, "framework": p.framework, "serve": s.model_dump()}}
     out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens)
-    res = serve_engine(p.framework, target_dir, export_dir, [q["input_ids"] for q in prompts], s)
+    res = serve_engine(p.framework, target_dir, export_dir, [q["input_ids"] for q in prompts], s,
+                       p.tensor_parallel_size)
     if res is not None:
         res = {k: v for k, v in res.items() if not k.startswith("outputs_") or k == "outputs_equal"}
         out[p.framework] = {"engine": p.framework, "engine_version": engine_version(p.framework),

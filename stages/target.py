@@ -1,20 +1,31 @@
-"""Stage `target`: make the target an HF folder.
+"""Stage `target`: make the target an HF folder without loading a user's weights.
 
 Usage: python stages/target.py OUT_DIR METRICS_JSON
-Reads params `target`; writes OUT_DIR (safetensors, config, tokenizer + chat template) and METRICS_JSON
-(N, hidden size, vocab, dtype, content hash).
+Reads params `target`, `extract.engine` and `extract.store` (a pre-quantized target is refused here where the
+hf engine would capture it) and `tensor_parallel_size` (on a GPU, weights that cannot fit at that size are
+refused here, naming the size that fits); writes OUT_DIR (config, tokenizer + chat template, the weights linked or
+a GGUF dequantized) and METRICS_JSON (N, hidden size, vocab, dtype, content hash).
 """
 
 import sys
 from dataclasses import asdict
+from pathlib import Path
+
+import torch
 
 from eaglepipe.stage import run, start, write_metrics
-from eaglepipe.target.info import materialize_target
+from eaglepipe.target.info import check_fits, materialize_target, refuse_hf_on_quantized, weight_bytes
 
 
 def main():
     p = start("target")
     out_dir, metrics = sys.argv[1:3]
+    if Path(p.target.source).is_dir():  # a local HF folder: its refusals come before anything is written
+        refuse_hf_on_quantized(p.target.source, [f"{k}: {v}" for k, v in (
+            ("extract.engine", p.extract.engine), ("extract.store", p.extract.store)) if v in ("hf", "tokens")])
+        if torch.cuda.is_available():  # on a CPU the engines hold every rank's shard in one host's memory
+            check_fits(weight_bytes(p.target.source), p.tensor_parallel_size,
+                       torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())
     info = materialize_target(p.target.source, out_dir, p.target.dtype)
     write_metrics(metrics, asdict(info))
 

@@ -33,9 +33,11 @@ def main():
     require_servable(p.framework, family, info.n_layers, p.layers)  # exit 2, nearest lists named, before capture
     v, samples, ref = p.validate_, fs.take(p.validate_.samples), None
     if v.quantization and v.reference:  # the same engine unquantized: the baseline the gap is measured against
-        with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info) as engine:
+        with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info,
+                        tensor_parallel_size=p.tensor_parallel_size) as engine:
             ref = reference_capture(engine, family, fs.n_layers, fs.layers, samples)
-    with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info, quantization=v.quantization) as engine:
+    with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info, quantization=v.quantization,
+                    tensor_parallel_size=p.tensor_parallel_size) as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, samples, v.search, v.min_cosine,
                             v.max_rel_l2, ref, v.min_match_cosine)
     write_metrics(report_json, rep.to_json())

@@ -143,13 +143,15 @@ _NOT_IN_SHARDS = {"batch_size", "workers"}
 
 
 def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str,
-             gate_samples: int = 0) -> str:
+             gate_samples: int = 0, tensor_parallel_size: int = 1) -> str:
     """Hash of everything that determines the shards (keys the resumable scratch folder), the code included."""
     spec = {
         "code": code_hash(EXTRACT_SCRIPT),
         "target": info.content_hash, "layers": layers, "engine": engine, "prompts": prompts_hash,
         "extract": p.model_dump(exclude=_NOT_IN_SHARDS),
     }
+    if tensor_parallel_size > 1:  # a sharded target's reductions round differently
+        spec["tensor_parallel_size"] = tensor_parallel_size
     if p.store == "tokens":
         spec["gate_samples"] = gate_samples
     return run_key(spec)
@@ -157,17 +159,18 @@ def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str,
 
 def extract(
     convs: list[dict], target_dir: Path, info: TargetInfo, layers: list[int], p: ExtractParams,
-    out_dir: Path, scratch: Path, prompts_hash: str, gate_samples: int = 0,
+    out_dir: Path, scratch: Path, prompts_hash: str, gate_samples: int = 0, tensor_parallel_size: int = 1,
 ) -> tuple[dict, ExtractStats]:
     """Run steps 1–4 over ``convs`` and write ``out_dir`` (shards + manifest.json).
 
     gate_samples: with ``p.store == "tokens"``, how many leading conversations keep their features (what
     validate_offsets reads: ``validate.samples``); ignored for a features store.
+    tensor_parallel_size: the vllm / sglang engine's (params ``tensor_parallel_size``; recorded when > 1).
     The engine starts at the first missing shard and is closed when this returns or raises.
     Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
     """
     gate_samples = gate_samples if p.store == "tokens" else 0
-    key = plan_key(info, layers, p, p.engine, prompts_hash, gate_samples)
+    key = plan_key(info, layers, p, p.engine, prompts_hash, gate_samples, tensor_parallel_size)
     writer = ShardWriter(out_dir, scratch, key, p.shard_size)
     chunks = [convs[i : i + p.shard_size] for i in range(0, len(convs), p.shard_size)]
     todo = [i for i in range(len(chunks)) if not writer.done(i)]
@@ -176,7 +179,7 @@ def extract(
         log.info("resuming: %d of %d shards already written (key %s)", resumed, len(chunks), key)
     ids = convention.engine_ids(p.engine, info.family, layers + [info.n_layers], info.n_layers)
     timing = _Timing(time.perf_counter())
-    work = _ShardWork(target_dir, info, ids, p, writer, gate_samples)
+    work = _ShardWork(target_dir, info, ids, p, writer, gate_samples, tensor_parallel_size=tensor_parallel_size)
     with tqdm(total=len(convs), initial=len(convs) - sum(len(chunks[i]) for i in todo), unit="sample") as bar:
         if p.workers > 1 and len(todo) > 1:
             _in_workers(work, {i: chunks[i] for i in todo}, timing, bar)
@@ -191,6 +194,7 @@ def extract(
         "prompts_hash": prompts_hash,
         "store": p.store,
         **({"quantization": p.quantization} if p.quantization else {}),  # the extracting engine's (ExtractParams)
+        **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
     }
     if p.store == "tokens":  # what train_drafter's online capture needs to compute what this would have stored
         header.update(gate_samples=gate_samples, engine_dtype=p.engine_dtype)
@@ -215,9 +219,9 @@ class _Engines:
     ``extract.engine``'s, ``regenerate()`` is ``extract.regenerate_engine``'s (the same one when unset)."""
 
     def __init__(self, stack: ExitStack, target_dir: Path, info: TargetInfo, p: ExtractParams,
-                 memory_share: float = 1.0):
+                 memory_share: float = 1.0, tensor_parallel_size: int = 1):
         self.stack, self.target_dir, self.info, self.p = stack, target_dir, info, p
-        self.memory_share = memory_share
+        self.memory_share, self.tensor_parallel_size = memory_share, tensor_parallel_size
         self.running: dict[str, object] = {}
 
     def _get(self, name: str):
@@ -225,7 +229,8 @@ class _Engines:
             p = self.p
             self.running[name] = self.stack.enter_context(get_engine(
                 name, self.target_dir, dtype=p.engine_dtype, batch_size=p.batch_size, info=self.info,
-                quantization=p.quantization, memory_share=self.memory_share))
+                quantization=p.quantization, memory_share=self.memory_share,
+                tensor_parallel_size=self.tensor_parallel_size))
         return self.running[name]
 
     def capture(self):
@@ -274,6 +279,7 @@ class _ShardWork:
     writer: ShardWriter
     gate_samples: int
     memory_share: float = 1.0  # of the GPU memory a vLLM instance asks for (1/n for n workers)
+    tensor_parallel_size: int = 1  # GPUs (CPU core groups) each engine instance shards the target over
 
     def run(self, chunks: dict[int, list[dict]], timing: _Timing, bar=None, start_lock=None, stop=None) -> _Timing:
         """Extract and write shard i = each key of ``chunks`` with this process's engines; returns ``timing``.
@@ -287,7 +293,7 @@ class _ShardWork:
         p = self.p
         tok = AutoTokenizer.from_pretrained(self.target_dir)
         with ExitStack() as stack:
-            engines = _Engines(stack, self.target_dir, self.info, p, self.memory_share)
+            engines = _Engines(stack, self.target_dir, self.info, p, self.memory_share, self.tensor_parallel_size)
             if start_lock is not None:
                 with start_lock:
                     if p.regenerate:
@@ -323,7 +329,7 @@ def _in_workers(work: _ShardWork, chunks: dict[int, list[dict]], timing: _Timing
     fraction ``EAGLEPIPE_VLLM_ARGS`` asks for, see VLLMEngine's ``memory_share``) and a share of this process's
     torch threads, and writes its shards atomically. When a worker fails, the others finish the shard they are
     writing and begin no other; the first error is raised here, and a rerun resumes from the shards written
-    (on the H200, four instances at 0.35 each failed at start: 2026-12-04). ``timing`` gets the slowest worker's
+    (e.g. after instances that together asked for more GPU memory than there is failed at start). ``timing`` gets the slowest worker's
     seconds (the wall the stage waited) and every worker's tokens. On SmolLM2 at the CPU defaults, two workers
     of one thread wrote every tensor equal to one process of two (the shards' run key hashes the code, so compare
     runs of the same code), in 222 s against 183 s: on a CPU the workers only share its cores; they are for a GPU.

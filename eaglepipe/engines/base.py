@@ -7,14 +7,36 @@ h[k] to those ids is :mod:`eaglepipe.contract.convention`'s job alone; an engine
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
 
 from eaglepipe.engine_table import installed_version
-from eaglepipe.errors import ServingUnavailable
+from eaglepipe.errors import ParamsError, ServingUnavailable
 from eaglepipe.target.info import TargetInfo, read_info
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """Cores as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` wants one group of them ("0-1" or "0,2")."""
+    if len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def cpu_groups(ranks: int) -> str:
+    """The cores this process may run on, split into ``ranks`` groups joined by "|" ("0|1" for 2 ranks on 2
+    cores): vLLM's and SGLang's CPU backends bind tensor-parallel rank i to group i and want one group per
+    rank (``VLLM_CPU_OMP_THREADS_BIND``: vllm/utils/ompmultiprocessing.py; ``SGLANG_CPU_OMP_THREADS_BIND``:
+    sglang/srt/utils/numa_utils.py, whose worker dies without it at TP > 1 on one node). Raises ParamsError when
+    there are fewer cores than ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise ParamsError(f"tensor_parallel_size {ranks} on a CPU needs a core per rank; this process may use "
+                          f"{len(cpus)} ({cpus})")
+    size = len(cpus) // ranks
+    return "|".join(_cpu_list(cpus[i * size:(i + 1) * size]) for i in range(ranks))
 
 
 class Engine(ABC):

@@ -15,6 +15,7 @@ import torch
 
 from eaglepipe.engines.base import Engine
 from eaglepipe.errors import ParamsError
+from eaglepipe.target.info import refuse_hf_on_quantized
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ def compile_layers(layers) -> None:
     SiLU × up, the residual adds) that dominate a small target's forward on a GPU. What stays eager is the part
     around the layers: embeddings, rotary tables, the final norm and the boundary hooks of
     :func:`boundary_hooks`, which run in each layer's ``__call__`` around the compiled ``forward``. Compiling
-    the whole base model instead (hooks traced) compiled for ~100 s and captured slower than eager on the
-    H200 (benchmarks/h200/online_train.json, fifth and eighth windows). Same values as eager up to the
+    the whole base model instead (hooks traced) compiled for ~100 s and captured slower than eager on an
+    H200 (benchmarks/h200/online_train.json). Same values as eager up to the
     fused kernels' rounding (tests/test_hf_engine.py).
     """
     import types
@@ -90,11 +91,16 @@ class HFEngine(Engine):
     name = "hf"
 
     def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
-                 info=None, quantization: str | None = None, compile: bool = False, **_):
+                 info=None, quantization: str | None = None, compile: bool = False, tensor_parallel_size: int = 1,
+                 **_):
         super().__init__(target_dir, dtype, info)
+        if tensor_parallel_size != 1:  # params refuse it first (eaglepipe/params.py); a direct caller here
+            raise ParamsError("the hf engine (transformers) runs the target on one device: tensor_parallel_size "
+                              f"{tensor_parallel_size} needs engine vllm or sglang")
         if quantization is not None:  # params refuse it first (eaglepipe/target/quantization.py); a direct caller here
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
                               f"quantization {quantization!r} needs engine vllm or sglang")
+        refuse_hf_on_quantized(self.target_dir, ["an hf engine started on it"])
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

