@@ -18,7 +18,9 @@ def _add_inspect(sub) -> None:
         "inspect",
         help="which boundaries SGLang and vLLM would feed an EAGLE-3 draft, and whether its weights fit",
         description="Inspect an EAGLE-3 draft folder (SGLang/SpecForge, ModelOpt, speculators, vLLM, EAGLE, "
-        "eaglepipe formats) against a target config.",
+        "eaglepipe formats) against a target config: one verdict per engine, then notes (information), "
+        "WARNING lines (what the folder cannot tell, e.g. the RoPE a foreign draft was trained with) and "
+        "PROBLEM lines (what breaks serving). Exit 0 without problems (warnings allowed), 1 with any.",
     )
     p.add_argument("draft_dir", help="draft folder holding config.json (+ *.safetensors)")
     p.add_argument("--target", required=True, help="target HF folder or its config.json")

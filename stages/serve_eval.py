@@ -4,6 +4,8 @@ Usage: python stages/serve_eval.py TARGET_DIR DRAFTER_DIR EXPORT_DIR EVAL_JSONL 
 Reads params `layers`, `framework`, `serve`. Writes REPORT_JSON (per engine τ, acceptance per draft position,
 tokens/s with and without the draft, what produced them) and METRICS_JSON (the few figures `dvc exp show`
 compares) and ACC_CSV (acceptance per draft position and engine, a `dvc plots` bar chart). Exits 1, after writing both, when an engine's τ is below `serve.min_tau` (nothing accepted).
+The reference decoder runs the trained draft (DRAFTER_DIR) on the same prompts as the engine runs the export: when it
+accepts and the engine does not, the message blames the export or the engine's reading of it, not the training.
 """
 
 import json

@@ -151,3 +151,34 @@ def test_gate_says_when_the_draft_is_undertrained_not_miswired():
     assert "τ_sim is 1.000" in failures[2] and "undertrained" in failures[2] and flags == []
     failures, flags = acceptance_gate(res, tau_sim=2.0, min_tau=1.05, max_sim_gap=0.5)
     assert len(failures) == 2 and len(flags) == 2  # τ_sim 2.0: served 1.0 is a wiring problem, flagged per engine
+
+
+def test_gate_blames_the_export_when_the_reference_accepts_and_the_engine_does_not():
+    """Issue 42's run: an export with zeroed weights served by vLLM gave τ 1.000 while the reference decoder,
+    running the trained draft (data/drafter) on the same prompts, gave τ 1.30. The failure says the export or
+    vLLM's reading of it is at fault, not the training; the cases around it do not say so."""
+    from eaglepipe.serving.evaluate import acceptance_gate
+
+    failures, flags = acceptance_gate({"reference": {"tau": 1.30}, "vllm": {"tau": 1.0}}, tau_sim=None,
+                                      min_tau=1.05, max_sim_gap=0.5)
+    assert failures[0] == "vllm: τ = 1.000 < serve.min_tau = 1.05 (acceptance counts not reported)"
+    assert failures[1].startswith("vllm: the reference decoder reaches τ 1.300 with the trained draft on the same "
+                                  "prompts, vllm 1.000 with its export: the training is not at fault; the export "
+                                  "or vllm's reading of it is")
+    for cause in ("aux layer ids in the exported config.json", "d2t / t2d", "RoPE and architectures fields"):
+        assert cause in failures[1]
+    assert len(failures) == 2 and flags == []
+
+    def blamed(reference, engine, min_tau=1.05):
+        failures, flags = acceptance_gate({"reference": {"tau": reference}, "vllm": {"tau": engine}}, None,
+                                          min_tau, 0.5)
+        return [line for line in failures + flags if "the training is not at fault" in line]
+
+    # the committed pipeline run (reports/serve_eval.json: reference and vLLM both τ 1.2041): nothing to say
+    assert acceptance_gate({"reference": {"tau": 1.204057279236277}, "vllm": {"tau": 1.204057279236277}},
+                           1.19506331132695, 1.05, 0.5) == ([], [])
+    assert blamed(1.0, 1.0) == [] and blamed(1.08, 1.0) == []  # the draft accepts little anyway; within the margin
+    assert blamed(1.15, 1.0, min_tau=1.2) == []  # the trained draft itself fails the gate: no export to blame
+    assert blamed(1.8, 1.3) == []  # the engine accepts: a gap is the reference-distance flag's business
+    smoke = acceptance_gate({"reference": {"tau": 1.30}, "vllm": {"tau": 1.0}}, None, 1.0, 0.5)
+    assert smoke[0] == [] and len(smoke[1]) == 1 and "the training is not at fault" in smoke[1][0]  # near 1.0

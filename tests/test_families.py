@@ -149,20 +149,29 @@ def test_export_writes_the_targets_llama3_rope(tmp_path):
         assert c["head_dim"] == 32 and c["max_position_embeddings"] == 512
 
 
-def test_inspect_flags_a_draft_whose_rope_is_not_the_targets(tmp_path):
+def test_inspect_flags_a_draft_whose_rope_is_not_the_one_it_was_trained_with(tmp_path):
+    """The export states the RoPE trained with (eaglepipe.rope): a config edited to another RoPE is a problem.
+    Without that lineage block the same config is only a warning (the folder cannot tell how it was trained)."""
     from eaglepipe.contract.inspect import inspect_draft
 
     materialize_target(str(build("llama-llama3", tmp_path / "src")), tmp_path / "target")
     cfg = DraftConfig.from_target(json.loads((tmp_path / "target" / "config.json").read_text()), 3, 99)
     save_draft(Eagle3Draft(cfg), tmp_path / "drafter")
     export_all(tmp_path / "drafter", tmp_path / "target", tmp_path / "export", [1, 2, 3], "vllm")
-    assert inspect_draft(tmp_path / "export" / "vllm", tmp_path / "target").ok
+    rep = inspect_draft(tmp_path / "export" / "vllm", tmp_path / "target")
+    assert rep.ok and rep.warnings == []
     path = tmp_path / "export" / "vllm" / "config.json"
     c = json.loads(path.read_text())
+    assert c["eaglepipe"]["rope"] == cfg.rope == LLAMA3_ROPE
     c.update(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rope_scaling=None)
     path.write_text(json.dumps(c))
     rep = inspect_draft(tmp_path / "export" / "vllm", tmp_path / "target")
-    assert not rep.ok and any("differs from the target's" in p and "'llama3'" in p for p in rep.problems)
+    assert not rep.ok and any("differs from the one it was trained with" in p and "'llama3'" in p
+                              for p in rep.problems)
+    c.pop("eaglepipe")
+    path.write_text(json.dumps(c))
+    rep = inspect_draft(tmp_path / "export" / "vllm", tmp_path / "target")
+    assert rep.ok and len(rep.warnings) == 1 and "differs from the target's" in rep.warnings[0]
 
 
 def test_extract_uses_the_targets_family_on_kimi_k2(kimi, tmp_path):

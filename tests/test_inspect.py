@@ -77,9 +77,9 @@ def test_specforge_nested_ids_only(tmp_path):
     assert r.agree is False and not r.ok
     assert r.problems == ["SGLang feeds h[2, 4, 7], vLLM feeds h[2, 4, 5]: one of them serves other features"]
     assert r.engines["vllm"].problems == [
-        "no ids where vllm reads them: it silently feeds its default h[2, 4, 5]",
         "vLLM runners disagree: V1 reads eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 6] → h[1, 3, 6], "
         "V2 (default on CUDA) uses its default h[2, 4, 5]; write eagle_aux_hidden_state_layer_ids at the top level",
+        "no ids where vllm reads them: it silently feeds its default h[2, 4, 5]",  # the engines disagree: a fact
     ]
 
 
@@ -104,9 +104,10 @@ def test_speculators_format(tmp_path):
     assert (r.engines["vllm"].field, r.engines["vllm"].boundaries, r.engines["vllm"].fc_states) == (
         "eagle_aux_hidden_state_layer_ids", [2, 4, 7], 3)
     assert r.engines["vllm"].problems == []
-    assert r.engines["sglang"].architecture is None and r.engines["sglang"].boundaries == [2, 4, 5]
-    assert r.engines["sglang"].problems[0].startswith("sglang 0.5.23 does not load architectures ['Eagle3Speculator']")
-    assert r.agree is False
+    sgl = r.engines["sglang"]  # one verdict: refused, so no ids, boundaries or fc read for it
+    assert (sgl.architecture, sgl.ids, sgl.boundaries, sgl.fc_states, sgl.problems) == (None, None, None, None, [])
+    assert sgl.refused.startswith("sglang 0.5.23 does not load architectures ['Eagle3Speculator']")
+    assert r.agree is None and r.ok  # vLLM serves it as written; SGLang's refusal is its verdict, not a problem
 
 
 def test_original_eagle_config_without_ids(tmp_path):
@@ -114,10 +115,11 @@ def test_original_eagle_config_without_ids(tmp_path):
     r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
     assert r.draft_format == "eagle"
     assert r.engines["vllm"].architecture == "Eagle3LlamaForCausalLM"  # EAGLEConfig prefixes "Eagle3"
-    assert r.engines["sglang"].architecture is None
-    assert r.engines["sglang"].boundaries == r.engines["vllm"].boundaries == [2, 4, 5]
-    assert r.agree is True and not r.ok
-    assert "no ids where vllm reads them: it silently feeds its default h[2, 4, 5]" in r.engines["vllm"].problems
+    assert r.engines["sglang"].architecture is None and r.engines["sglang"].boundaries is None
+    assert r.engines["vllm"].boundaries == [2, 4, 5] and r.engines["vllm"].problems == []
+    assert r.agree is None and r.ok and r.warnings == []
+    assert "vllm: no ids written; it feeds its default h[2, 4, 5]" in r.notes
+    assert format_report(r).splitlines()[-1] == "OK for vllm only (sglang refuses it)"
 
 
 def test_fc_width_disagrees_with_ids(tmp_path):
@@ -177,3 +179,126 @@ def test_export_for_vllm_only_is_not_an_sglang_problem(tmp_path):
     foreign = {k: v for k, v in cfg.items() if k != "eaglepipe"}
     r2 = inspect_draft(write_draft(tmp_path / "f", foreign), TARGET, VERSIONS)
     assert not r2.ok and any("silently feeds its default" in p for p in r2.engines["sglang"].problems)
+
+
+# --- public drafts on tiny targets: a fact vs a guess ------------------------------------------------------
+# The configs below keep the keys and relations of two public Llama-3.1-8B EAGLE-3 drafts; sizes are scaled
+# to a tiny llama3-RoPE target (eaglepipe.target.tiny "llama-llama3", N = 32 like Llama-3.1-8B, hidden 64,
+# vocab 99), so the weights can be written and checked too. Both engines' default for N = 32: h[2, 16, 29].
+
+# SpecForge configs/llama3-8B-eagle3.json, verbatim: no rope fields (so rope_theta 10000, no llama3 scaling,
+# while the target has them), no eagle_config, ids nowhere, draft_vocab_size 32000 of 128256.
+SPECFORGE_LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 2048,
+    "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 1,
+    "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+    "transformers_version": "4.28.1", "use_cache": True, "vocab_size": 128256, "draft_vocab_size": 32000,
+}
+SCALED = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "vocab_size": 99, "bos_token_id": 1, "eos_token_id": 2, "draft_vocab_size": 8}
+
+
+def speculators_llama31_8b(target_rope: dict) -> dict:
+    """A speculators ``Eagle3Speculator`` config (speculators' converter template, as RedHatAI's Llama-3.1-8B
+    speculator): llama fields in ``transformer_layer_config`` with the target's llama3 RoPE, no aux ids."""
+    return {
+        "architectures": ["Eagle3Speculator"], "auto_map": {"": "eagle3.Eagle3SpeculatorConfig"},
+        "draft_vocab_size": 8, "has_no_defaults_at_init": False, "norm_before_residual": True,
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3,
+                                  "verifier_accept_k": 1}],
+            "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}},
+        "speculators_model_type": "eagle3", "speculators_version": "0.1.0.dev14", "target_hidden_size": None,
+        "torch_dtype": "float32",
+        "transformer_layer_config": {
+            "attention_bias": False, "attention_dropout": 0.0, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64,
+            "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 512, "mlp_bias": False,
+            "model_type": "llama", "num_attention_heads": 2, "num_hidden_layers": 1, "num_key_value_heads": 1,
+            "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_theta": target_rope["rope_theta"],
+            "rope_scaling": {k: v for k, v in target_rope.items() if k != "rope_theta"}, "use_cache": True,
+            "vocab_size": 99},
+        "transformers_version": "4.52.4",
+    }
+
+
+@pytest.fixture(scope="module")
+def llama3_target(tmp_path_factory):
+    from eaglepipe.target.tiny import build
+
+    return build("llama-llama3", tmp_path_factory.mktemp("t") / "llama3", num_hidden_layers=32)
+
+
+def write_scaled_draft(path, config):
+    """``config`` with weights for the tiny target: fc [64, 3·64], lm_head [8, 64], d2t offsets into 99 tokens."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    target_ids = np.array([0, 3, 5, 9, 10, 20, 40, 98])
+    t2d = np.zeros(99, bool)
+    t2d[target_ids] = True
+    safetensors_numpy.save_file({"fc.weight": np.zeros((64, 192), np.float32), "norm.weight": np.ones(64, np.float32),
+                                 "lm_head.weight": np.zeros((8, 64), np.float32), "d2t": target_ids - np.arange(8),
+                                 "t2d": t2d}, str(path / "model.safetensors"))
+    return path
+
+
+def test_specforge_draft_rope_is_a_warning_and_agreed_defaults_a_note(tmp_path, llama3_target):
+    """The draft's rope_theta 10000 vs the target's llama3 RoPE: engines build the draft's RoPE from its own
+    config, so whether it is right depends on how it was trained, which its folder does not say: a warning,
+    exit 0. No ids anywhere, both engines feed h[2, 16, 29]: information."""
+    draft = write_scaled_draft(tmp_path / "specforge", {**SPECFORGE_LLAMA31_8B, **SCALED})
+    r = inspect_draft(draft, llama3_target, VERSIONS)
+    assert (r.draft_format, r.n_layers, r.agree, r.fc_shape) == ("sglang/specforge", 32, True, (64, 192))
+    for v in r.engines.values():
+        assert (v.field, v.boundaries, v.problems, v.refused) == (None, [2, 16, 29], [], None)
+    assert r.problems == [] and r.ok
+    assert r.notes == ["sglang: no ids written; it feeds its default h[2, 16, 29], as vllm does",
+                       "vllm: no ids written; it feeds its default h[2, 16, 29], as sglang does"]
+    assert len(r.warnings) == 1
+    assert r.warnings[0].startswith("draft RoPE {'rope_theta': 10000.0, 'rope_type': 'default'} differs from the "
+                                    "target's {'factor': 8.0")
+    assert "'rope_type': 'llama3'" in r.warnings[0] and "cannot be read from its folder" in r.warnings[0]
+    text = format_report(r)
+    assert "PROBLEM" not in text and text.splitlines()[-1] == "OK, 1 warning(s)"
+
+
+def test_cli_exits_0_on_public_drafts_with_warnings_only(tmp_path, llama3_target, capsys):
+    """`eaglepipe inspect` on the verbatim SpecForge config (no weights) and on a speculators folder."""
+    verbatim = tmp_path / "specforge"
+    verbatim.mkdir()
+    (verbatim / "config.json").write_text(json.dumps(SPECFORGE_LLAMA31_8B))
+    pins = ["--sglang-version", "0.5.23", "--vllm-version", "0.32.0"]
+    assert main(["inspect", str(verbatim), "--target", str(llama3_target), *pins]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "OK, 1 warning(s)" and sum(ln.startswith("WARNING  draft RoPE") for ln in out) == 1
+    assert main(["inspect", str(verbatim), "--target", str(llama3_target), "--json", *pins]) == 0
+    assert len(json.loads(capsys.readouterr().out)["warnings"]) == 1
+
+
+def test_speculators_folder_has_one_verdict_per_engine(tmp_path, llama3_target, capsys):
+    """SGLang refuses Eagle3Speculator: its line says so and nothing else (no ids, no "feeds"); vLLM rebuilds it
+    as Eagle3LlamaForCausalLM and feeds its default; the RoPE is the target's. Exit 0."""
+    target_rope = json.loads((llama3_target / "config.json").read_text())["rope_parameters"]
+    draft = write_scaled_draft(tmp_path / "speculators", speculators_llama31_8b(target_rope))
+    r = inspect_draft(draft, llama3_target, VERSIONS)
+    assert r.draft_format == "speculators" and r.ok and r.warnings == [] and r.problems == []
+    assert r.engines["sglang"].refused and r.engines["sglang"].boundaries is None
+    assert (r.engines["vllm"].architecture, r.engines["vllm"].boundaries) == ("Eagle3LlamaForCausalLM", [2, 16, 29])
+    assert r.notes == ["vllm: no ids written; it feeds its default h[2, 16, 29]"]
+    assert main(["inspect", str(draft), "--target", str(llama3_target), "--sglang-version", "0.5.23",
+                 "--vllm-version", "0.32.0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sgl = [ln for ln in lines if ln.startswith("sglang ")]
+    assert sgl == ["sglang  0.5.23   REFUSED: does not load architectures ['Eagle3Speculator'] as an EAGLE-3 draft; "
+                   "accepted: ['LlamaForCausalLMEagle3', 'Eagle3DeepseekV2ForCausalLM']"]
+    assert any(ln.startswith("vllm    0.32.0   arch=Eagle3LlamaForCausalLM  no ids (default)  → feeds h[2, 16, 29]")
+               for ln in lines)
+    assert lines[-1] == "OK for vllm only (sglang refuses it)"
+
+
+def test_no_engine_loading_the_draft_is_a_problem(tmp_path):
+    cfg = {"architectures": ["MistralForCausalLM"], "draft_vocab_size": 8, **LLAMA_FIELDS}
+    r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
+    assert not r.ok and r.problems[0].startswith("no engine loads this draft: sglang 0.5.23 does not load")
+    assert "vllm 0.32.0 does not load architectures ['MistralForCausalLM']" in r.problems[0]

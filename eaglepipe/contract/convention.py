@@ -469,7 +469,7 @@ def write_draft_ids(
     SGLang: nested ``eagle_config.eagle_aux_hidden_state_layer_ids``; vLLM: top-level
     ``eagle_aux_hidden_state_layer_ids`` (both runners read it); hf: no engine field. Always sets
     ``num_aux_hidden_states`` (both engines size fc from it before any id list) and an ``eaglepipe`` block
-    stating the boundaries trained on. Calling it once per engine on the same dict serves both engines.
+    stating the boundaries trained on (its other keys kept). Called once per engine on one dict, it serves both.
     Raises ConventionError as :func:`engine_ids`, or when the config already states other boundaries.
     """
     version = resolve_version(engine, version)
@@ -494,6 +494,7 @@ def write_draft_ids(
     engines = dict(block.get("engines") or {})
     engines[engine] = {"version": version, "ids": ids, "field": field}
     out["eaglepipe"] = {
+        **block,
         "aux_boundaries": list(boundaries),
         "convention": CONVENTION,
         "family": family,

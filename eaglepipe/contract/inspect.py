@@ -10,22 +10,33 @@ Reads a draft folder in any format found in the wild and checks it against a tar
   ``Eagle3DeepseekV2ForCausalLM`` only; vLLM 0.32: its registry's EAGLE-3 entries, after
   ``EAGLEConfig`` prefixes "Eagle3"), the ids it reads, the boundaries h[k] it feeds (via
   :mod:`eaglepipe.contract.convention`), and how many aux states its draft class sizes ``fc`` for.
-- **weights** (safetensors header parsed in plain Python): ``fc.weight`` width vs ids × target hidden,
-  ``lm_head.weight`` rows vs ``draft_vocab_size``; ``d2t``/``t2d`` values read with numpy when it is there:
-  offsets in range, target ids = arange + d2t strictly increasing, identity = all zeros.
+- **weights** (:mod:`eaglepipe.contract.draft_weights`): ``fc.weight`` width vs ids × target hidden,
+  ``lm_head.weight`` rows vs ``draft_vocab_size``, ``d2t``/``t2d``.
+
+Each finding is a fact or a guess, and says which:
+
+- **problem** (exit 1): what the folder and the engines' code prove breaks serving — an engine that loads the
+  draft feeds other boundaries than the other engine or than the ``eaglepipe`` block states, fc or d2t that
+  do not fit, no engine that loads the draft at all;
+- **warning** (exit 0): what cannot be known from the folder — a draft RoPE other than the target's is right
+  if the draft was trained with it (the engines build the draft's rotary embedding from the draft's own
+  config), and only eaglepipe's own lineage block (``eaglepipe.rope``) says what it was trained with;
+- **note**: information — e.g. no ids written where both engines feed the same default boundaries.
+
+One verdict per engine: an engine that refuses the draft's architectures shows only that (no ids, no
+boundaries); a refusal is a problem only when no engine loads the draft.
 
 Nothing here imports torch, sglang or vllm.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglepipe.contract import convention as conv
+from eaglepipe.contract.draft_weights import check_vocab, draft_tensors, find_tensor
 from eaglepipe.engine_table import SERVING
 from eaglepipe.errors import ConventionError, EaglepipeError
 from eaglepipe.target.config import read_json, read_target_config
@@ -64,6 +75,12 @@ class EngineView:
     fc_states: int | None  # aux states its draft class sizes fc for
     problems: list[str] = field(default_factory=list)
     served: bool = True  # False: an eaglepipe export that wrote no ids for this engine (it cannot express them)
+    refused: str | None = None  # why it does not load the draft's architectures; None = it loads them
+
+    @property
+    def loads(self) -> bool:
+        """The engine builds this draft and the folder is meant for it (not refused, not left out by export)."""
+        return self.refused is None and self.served
 
 
 @dataclass
@@ -81,11 +98,13 @@ class Report:
     agree: bool | None  # SGLang and vLLM feed the same boundaries (None: one is unknown)
     fc_shape: tuple[int, int] | None  # fc.weight [H_draft, K·H_target]
     d2t: str  # one-line verdict on d2t/t2d
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # facts that break serving (exit 1)
+    notes: list[str] = field(default_factory=list)  # information
+    warnings: list[str] = field(default_factory=list)  # what the folder cannot tell (exit 0)
 
     @property
     def ok(self) -> bool:
+        """No problem (warnings allowed): every engine that loads the draft serves it as stated."""
         return not self.problems and all(not v.problems for v in self.engines.values())
 
 
@@ -93,50 +112,6 @@ class Report:
 
 
 _load_json = read_json  # draft folders' config.json and friends: the same one-line errors as the target's
-
-
-def safetensors_header(path: Path) -> dict:
-    """The JSON header of a .safetensors file: {name: {"dtype", "shape", "data_offsets"}} (no torch)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    for meta in header.values():
-        meta["_file"] = str(path)
-        meta["_data_start"] = 8 + n
-    return header
-
-
-def _tensors(draft_dir: Path) -> dict:
-    out: dict = {}
-    for path in sorted(draft_dir.glob("*.safetensors")):
-        out.update(safetensors_header(path))
-    return out
-
-
-def _find(tensors: dict, name: str) -> dict | None:
-    for key, meta in tensors.items():
-        if key == name or key.endswith("." + name):
-            return meta
-    return None
-
-
-_NP_DTYPES = {"I64": "<i8", "I32": "<i4", "BOOL": "|b1", "U8": "|u1"}
-
-
-def _read_values(meta: dict):
-    """A 1-D tensor's values as a numpy array, or None when numpy is missing or the dtype is unexpected."""
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    dtype = _NP_DTYPES.get(meta["dtype"])
-    if dtype is None:
-        return None
-    start, end = meta["data_offsets"]
-    with open(meta["_file"], "rb") as f:
-        f.seek(meta["_data_start"] + start)
-        return np.frombuffer(f.read(end - start), dtype=dtype)
 
 
 # --- the draft config as each engine sees it ---------------------------------------------------------------
@@ -207,15 +182,18 @@ def _fc_states(engine: str, arch: str, cfg: dict) -> int:
 
 
 def _engine_view(engine: str, version: str, cfg: dict, family: str, n_layers: int) -> EngineView:
+    """What ``engine`` builds from ``cfg`` and which boundaries it feeds; a refusal stops there (one verdict).
+
+    An engine default (no ids where the engine reads them) is not judged here: :func:`_judge_defaults`
+    decides once both engines are known.
+    """
     view = EngineView(engine, version, _architecture(engine, cfg.get("architectures") or []), None, None, None, None)
     if view.architecture is None:
         accepted = SGLANG_EAGLE3_ARCHS if engine == "sglang" else VLLM_EAGLE3_ARCHS
-        view.problems.append(
-            f"{engine} {version} does not load architectures {cfg.get('architectures')} as an EAGLE-3 draft; "
-            f"accepted: {list(accepted)}"
-        )
-    else:
-        view.fc_states = _fc_states(engine, view.architecture, cfg)
+        view.refused = (f"{engine} {version} does not load architectures {cfg.get('architectures')} as an "
+                        f"EAGLE-3 draft; accepted: {list(accepted)}")
+        return view
+    view.fc_states = _fc_states(engine, view.architecture, cfg)
     try:
         runners = ("v1", "v2") if engine == "vllm" else (None,)
         fed = {}
@@ -224,10 +202,6 @@ def _engine_view(engine: str, version: str, cfg: dict, family: str, n_layers: in
             fed[runner] = (ids, where, conv.read_draft_boundaries(
                 cfg, engine, family, n_layers, version, allow_default=True, runner=runner))
         view.ids, view.field, view.boundaries = fed[runners[-1]]
-        if view.field is None:
-            view.problems.append(
-                f"no ids where {engine} reads them: it silently feeds its default h{view.boundaries}"
-            )
         if engine == "vllm" and fed["v1"][2] != fed["v2"][2]:
             view.problems.append(
                 f"vLLM runners disagree: V1 reads {fed['v1'][1]} = {fed['v1'][0]} → h{fed['v1'][2]}, "
@@ -243,6 +217,21 @@ def _engine_view(engine: str, version: str, cfg: dict, family: str, n_layers: in
     return view
 
 
+def _judge_defaults(engines: dict[str, EngineView], agree: bool | None, notes: list[str]) -> None:
+    """An engine that loads the draft but finds no ids feeds its default boundaries. Where the engines that
+    load it agree, that is information (a note); where they disagree it is the reason one of them serves
+    other features (a problem of that engine)."""
+    for v in engines.values():
+        if not v.loads or v.field is not None or v.boundaries is None:
+            continue
+        if agree is False:
+            v.problems.append(f"no ids where {v.engine} reads them: it silently feeds its default h{v.boundaries}")
+            continue
+        others = [o.engine for o in engines.values() if o is not v and o.loads]
+        notes.append(f"{v.engine}: no ids written; it feeds its default h{v.boundaries}"
+                     + (f", as {' and '.join(others)} does" if agree and others else ""))
+
+
 def _mark_unserved(cfg: dict, engines: dict[str, EngineView], notes: list[str]) -> None:
     """An eaglepipe export lists the engines it wrote ids for (``eaglepipe.engines``); one it left out could not
     express the trained boundaries (export refused it, data/export/engines.json says why). Such a folder is
@@ -252,53 +241,12 @@ def _mark_unserved(cfg: dict, engines: dict[str, EngineView], notes: list[str]) 
     if not isinstance(written, dict) or not written:
         return
     for name, view in engines.items():
-        if name not in written:
+        if name not in written and view.refused is None:
             view.served = False
             notes.append(f"{name}: this eaglepipe export wrote no ids for {name} (it cannot express "
                          f"h{block.get('aux_boundaries')}; see the export's engines.json): not to be served by {name}"
                          + (f" (it would: {'; '.join(view.problems)})" if view.problems else ""))
             view.problems = []
-
-
-# --- d2t / t2d -------------------------------------------------------------------------------------------
-
-
-def _check_vocab(tensors: dict, draft_vocab: int | None, target_vocab: int | None, problems: list[str]) -> str:
-    d2t_meta, t2d_meta = _find(tensors, "d2t"), _find(tensors, "t2d")
-    if d2t_meta is None:
-        if draft_vocab is not None and target_vocab is not None and draft_vocab < target_vocab:
-            problems.append(f"no d2t tensor, but draft_vocab_size {draft_vocab} < target vocab {target_vocab}")
-        return "d2t absent"
-    if d2t_meta["dtype"] not in ("I64", "I32"):
-        problems.append(f"d2t has dtype {d2t_meta['dtype']}; engines expect integer offsets (int64)")
-        return "d2t not integer"
-    if draft_vocab is not None and d2t_meta["shape"] != [draft_vocab]:
-        problems.append(f"d2t shape {d2t_meta['shape']} != [draft_vocab_size] = [{draft_vocab}]")
-    d2t = _read_values(d2t_meta)
-    if d2t is None:
-        return "d2t not read (numpy missing)"
-    import numpy as np
-
-    target_ids = np.arange(len(d2t), dtype=np.int64) + d2t.astype(np.int64)  # target_id = draft_id + d2t[draft_id]
-    verdict = "identity (all zeros)" if not d2t.any() else f"offsets, {len(d2t)} draft tokens"
-    bad = []
-    if target_vocab is not None and (target_ids.min() < 0 or target_ids.max() >= target_vocab):
-        bad.append(f"arange + d2t spans [{target_ids.min()}, {target_ids.max()}], outside [0, {target_vocab})")
-        if d2t.min() >= 0 and d2t.max() < target_vocab and np.all(np.diff(d2t) > 0):
-            bad.append("d2t looks like absolute target ids; engines add it to the draft id (offsets)")
-    if len(target_ids) > 1 and not np.all(np.diff(target_ids) > 0):
-        bad.append("arange + d2t is not strictly increasing (duplicate or unsorted target ids)")
-    if t2d_meta is not None:
-        t2d = _read_values(t2d_meta)
-        if t2d is not None:
-            if target_vocab is not None and len(t2d) != target_vocab:
-                bad.append(f"t2d has {len(t2d)} entries, target vocab is {target_vocab}")
-            elif int(t2d.sum()) != len(d2t):
-                bad.append(f"t2d marks {int(t2d.sum())} tokens, d2t has {len(d2t)}")
-            elif not bad and not t2d[target_ids].all():
-                bad.append("t2d is False at some target id that d2t maps to")
-    problems.extend(f"d2t: {b}" for b in bad)
-    return "bad: " + "; ".join(bad) if bad else verdict
 
 
 # --- the report ------------------------------------------------------------------------------------------
@@ -323,69 +271,91 @@ def inspect_draft(
     target = target_config if isinstance(target_config, dict) else read_target_config(target_config)
     family, n_layers = target_family(target), conv.n_layers_of(target)
     target_hidden = conv.hidden_size_of(target)
-    target_vocab = target.get("vocab_size") or (target.get("text_config") or {}).get("vocab_size")
     fmt = detect_format(cfg)
     problems: list[str] = []
     notes: list[str] = []
+    warnings: list[str] = []
+    engines, agree = _engine_verdicts(cfg, fmt, family, n_layers, versions or {}, problems, notes)
+    _check_rope(_vllm_view(cfg, fmt), target, cfg.get("eaglepipe") or {}, problems, warnings, notes)
+    if fmt == "eagle":
+        notes.append("original EAGLE-3 config: its training code hard-codes h[2], h[N//2], h[N-3]")
+    draft_target_hidden = cfg.get("target_hidden_size")
+    if draft_target_hidden is not None and draft_target_hidden != target_hidden:
+        problems.append(f"draft target_hidden_size {draft_target_hidden} != target hidden_size {target_hidden}")
+    target_vocab = target.get("vocab_size") or (target.get("text_config") or {}).get("vocab_size")
+    fc_shape, d2t = _check_weights(draft_dir, cfg, engines, target_hidden, target_vocab, problems, notes)
+    return Report(
+        str(draft_dir), fmt, list(cfg.get("architectures") or []), family, n_layers, target_hidden,
+        (cfg.get("eaglepipe") or {}).get("aux_boundaries"), engines, agree, fc_shape, d2t, problems, notes,
+        warnings,
+    )
 
-    versions = dict(versions or {})
+
+def _engine_verdicts(cfg: dict, fmt: str, family: str, n_layers: int, versions: dict[str, str],
+                     problems: list[str], notes: list[str]) -> tuple[dict[str, EngineView], bool | None]:
+    """Each serving engine's view of the draft, and whether the engines that load it feed the same boundaries
+    (None: fewer than two of them do, or one cannot be determined). Appends the cross-engine problems."""
     engines = {}
     for engine in sorted(SERVING):  # sglang, then vllm
         version = versions.get(engine) or conv.installed_version(engine) or conv.KNOWN_VERSIONS[engine]
         engine_cfg = _vllm_view(cfg, fmt) if engine == "vllm" else cfg
         engines[engine] = _engine_view(engine, version, engine_cfg, family, n_layers)
     _mark_unserved(cfg, engines, notes)
-    sgl, vll = (v.boundaries if v.served else None for v in (engines["sglang"], engines["vllm"]))
-    agree = None if sgl is None or vll is None else sgl == vll
+    loading = [v for v in engines.values() if v.loads]
+    if not loading:
+        problems.append("no engine loads this draft: " + "; ".join(
+            v.refused or f"{v.engine}: not exported for it" for v in engines.values()))
+    fed = [v.boundaries for v in loading]
+    agree = None if len(fed) < 2 or None in fed else all(b == fed[0] for b in fed)
     if agree is False:
-        problems.append(f"SGLang feeds h{sgl}, vLLM feeds h{vll}: one of them serves other features")
-
+        problems.append(", ".join(f"{'SGLang' if v.engine == 'sglang' else 'vLLM'} feeds h{v.boundaries}"
+                                  for v in loading) + ": one of them serves other features")
+    _judge_defaults(engines, agree, notes)
     stated = (cfg.get("eaglepipe") or {}).get("aux_boundaries")
-    if stated is not None:
-        for v in engines.values():
-            if v.served and v.boundaries is not None and v.boundaries != stated:
-                problems.append(f"trained on h{stated} (eaglepipe block) but {v.engine} feeds h{v.boundaries}")
-    _check_rope(_vllm_view(cfg, fmt), target, problems, notes)
-    if fmt == "eagle":
-        notes.append("original EAGLE-3 config: its training code hard-codes h[2], h[N//2], h[N-3]")
+    for v in loading:
+        if stated is not None and v.boundaries is not None and v.boundaries != stated:
+            problems.append(f"trained on h{stated} (eaglepipe block) but {v.engine} feeds h{v.boundaries}")
+    return engines, agree
 
-    draft_target_hidden = cfg.get("target_hidden_size")
-    if draft_target_hidden is not None and draft_target_hidden != target_hidden:
-        problems.append(f"draft target_hidden_size {draft_target_hidden} != target hidden_size {target_hidden}")
 
-    tensors = _tensors(draft_dir)
-    fc_shape = None
+def _check_weights(draft_dir: Path, cfg: dict, engines: dict[str, EngineView], target_hidden: int,
+                   target_vocab: int | None, problems: list[str], notes: list[str]) -> tuple[tuple | None, str]:
+    """fc width against each loading engine's aux states, lm_head rows and d2t/t2d: ``(fc shape, d2t verdict)``."""
+    tensors = draft_tensors(draft_dir)
     if not tensors:
         notes.append("no .safetensors in the draft folder: fc width and d2t not checked")
-        d2t = "d2t not read (no safetensors)"
+        return None, "d2t not read (no safetensors)"
+    fc_shape = None
+    fc = find_tensor(tensors, "fc.weight")
+    if fc is None:
+        problems.append("no fc.weight in the safetensors")
     else:
-        fc = _find(tensors, "fc.weight")
-        if fc is None:
-            problems.append("no fc.weight in the safetensors")
-        else:
-            fc_shape = tuple(fc["shape"])
-            for v in engines.values():
-                if v.boundaries is None:
-                    continue
-                try:
-                    conv.check_fc_width(fc_shape[1], len(v.boundaries), target_hidden)
-                except ConventionError as e:
-                    v.problems.append(f"{v.engine} feeds {len(v.boundaries)} states: {e}")
-        draft_vocab = cfg.get("draft_vocab_size")
-        lm_head = _find(tensors, "lm_head.weight")
-        if lm_head is not None and draft_vocab is not None and lm_head["shape"][0] != draft_vocab:
-            problems.append(f"lm_head.weight has {lm_head['shape'][0]} rows, draft_vocab_size is {draft_vocab}")
-        d2t = _check_vocab(tensors, draft_vocab, target_vocab, problems)
-
-    return Report(
-        str(draft_dir), fmt, list(cfg.get("architectures") or []), family, n_layers, target_hidden,
-        stated, engines, agree, fc_shape, d2t, problems, notes,
-    )
+        fc_shape = tuple(fc["shape"])
+        for v in engines.values():
+            if not v.loads or v.boundaries is None:
+                continue
+            try:
+                conv.check_fc_width(fc_shape[1], len(v.boundaries), target_hidden)
+            except ConventionError as e:
+                v.problems.append(f"{v.engine} feeds {len(v.boundaries)} states: {e}")
+    draft_vocab = cfg.get("draft_vocab_size")
+    lm_head = find_tensor(tensors, "lm_head.weight")
+    if lm_head is not None and draft_vocab is not None and lm_head["shape"][0] != draft_vocab:
+        problems.append(f"lm_head.weight has {lm_head['shape'][0]} rows, draft_vocab_size is {draft_vocab}")
+    return fc_shape, check_vocab(tensors, draft_vocab, target_vocab, problems)
 
 
-def _check_rope(draft_cfg: dict, target: dict, problems: list[str], notes: list[str]) -> None:
-    """The draft's RoPE must be the target's (type, theta, scaling): both engines build the draft's rotary
-    embedding from its own config (vllm llama.py ``_init_rotary_emb``, sglang llama.py ``LlamaDecoderLayer``)."""
+def _check_rope(draft_cfg: dict, target: dict, block: dict, problems: list[str], warnings: list[str],
+                notes: list[str]) -> None:
+    """The RoPE the engines build for the draft, against the one it was trained with where that is known.
+
+    Both engines build the draft's rotary embedding from the draft's own config (vllm llama.py
+    ``_init_rotary_emb``, sglang llama.py ``LlamaDecoderLayer``). What the draft was trained with is stated
+    only by eaglepipe's lineage block (``eaglepipe.rope``, written by export): a config RoPE other than that
+    is a problem. Without it, a RoPE other than the target's is a warning: right if the draft was trained
+    with its config's RoPE (public drafts exist trained with rope_theta 10000 for llama3-scaled targets),
+    wrong if it was trained with the target's — the folder cannot tell which.
+    """
     from eaglepipe.model.rope import RopeError, rope_parameters
 
     tcfg = target.get("text_config") if isinstance(target.get("text_config"), dict) else target
@@ -405,13 +375,35 @@ def _check_rope(draft_cfg: dict, target: dict, problems: list[str], notes: list[
     except RopeError as e:
         problems.append(f"draft RoPE: {e}")
         return
-    if got != want:
-        problems.append(f"draft RoPE {got} differs from the target's {want}: a draft served with another RoPE "
-                        "than the target's accepts little, silently")
+    trained = block.get("rope")
+    if trained is not None and got != trained:
+        problems.append(f"draft RoPE {got} differs from the one it was trained with, {trained} (eaglepipe block; "
+                        f"the target's is {want}): the engines build it from this config, so it is served with "
+                        "another RoPE than it was trained with and accepts little, silently")
+    elif trained is not None and got != want:
+        notes.append(f"draft RoPE {got}, as trained (eaglepipe block), differs from the target's {want}")
+    elif got != want:
+        warnings.append(f"draft RoPE {got} differs from the target's {want}: the engines build the draft's rotary "
+                        "embedding from the draft's own config, right if it was trained with that RoPE; what it "
+                        "was trained with cannot be read from its folder")
+
+
+def _engine_line(v: EngineView) -> str:
+    """One verdict per engine: refused, not exported for it, or what it builds and feeds."""
+    head = f"{v.engine:<7} {v.version:<8} "
+    if v.refused is not None:
+        return head + "REFUSED: " + v.refused.split(" ", 2)[2]  # the reason, without the engine and version
+    if not v.served:
+        return head + f"not exported for {v.engine} (see the note)"
+    fed = f"h{v.boundaries}" if v.boundaries is not None else "?"
+    where = f"{v.field} = {v.ids}" if v.field else "no ids (default)"
+    return (head + f"arch={v.architecture}  {where}  → feeds {fed}  "
+            f"fc sized for {v.fc_states if v.fc_states is not None else '?'} states")
 
 
 def format_report(report: Report) -> str:
-    """The report as plain text, one fact per line, problems last."""
+    """The report as plain text, one fact per line: engine verdicts, notes, warnings, problems, then a summary
+    ("OK", "OK for vllm only (sglang refuses it)", "…, 1 warning(s)" or "N problem(s)")."""
     lines = [
         f"draft    {report.draft_dir}  format={report.draft_format}  architectures={report.architectures}",
         f"target   family={report.family}  N={report.n_layers}  hidden={report.target_hidden}",
@@ -419,19 +411,21 @@ def format_report(report: Report) -> str:
     ]
     if report.stated_boundaries is not None:
         lines.append(f"trained on  h{report.stated_boundaries} (eaglepipe block)")
-    for v in report.engines.values():
-        fed = f"h{v.boundaries}" if v.boundaries is not None else "?"
-        where = f"{v.field} = {v.ids}" if v.field else "no ids (default)"
-        lines.append(
-            f"{v.engine:<7} {v.version:<8} arch={v.architecture or 'REFUSED'}  {where}  → feeds {fed}  "
-            f"fc sized for {v.fc_states if v.fc_states is not None else '?'} states"
-            + ("" if v.served else "  (not exported for this engine)")
-        )
-    lines.append(f"agree    {'yes' if report.agree else 'NO' if report.agree is False else '?'}")
+    lines += [_engine_line(v) for v in report.engines.values()]
+    loading = [v.engine for v in report.engines.values() if v.loads]
+    one = f"- (only {loading[0]} loads it)" if len(loading) == 1 else "?"
+    lines.append(f"agree    {'yes' if report.agree else 'NO' if report.agree is False else one}")
     lines.append(f"fc       {list(report.fc_shape) if report.fc_shape else '?'}")
     lines.append(f"d2t      {report.d2t}")
     lines += [f"note     {n}" for n in report.notes]
+    lines += [f"WARNING  {w}" for w in report.warnings]
     problems = report.problems + [problem for view in report.engines.values() for problem in view.problems]
     lines += [f"PROBLEM  {problem}" for problem in problems]
-    lines.append("OK" if report.ok else f"{len(problems)} problem(s)")
+    warned = f", {len(report.warnings)} warning(s)" if report.warnings else ""
+    if not report.ok:
+        lines.append(f"{len(problems)} problem(s){warned}")
+        return "\n".join(lines)
+    refused = [v.engine for v in report.engines.values() if v.refused is not None]
+    only = f" for {' and '.join(loading)} only ({' and '.join(refused)} refuses it)" if refused else ""
+    lines.append(f"OK{only}{warned}")
     return "\n".join(lines)

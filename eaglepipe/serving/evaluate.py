@@ -79,34 +79,63 @@ ZERO_ACCEPTANCE_CAUSES = (
 )
 
 
+# τ by which the reference decoder (the trained draft, plain torch) must beat an engine serving the export on the
+# same prompts before the export or the engine's reading of it is blamed: well above run-to-run noise (greedy
+# decoding is deterministic; numerics move τ by ~0.01) and below the gap of a broken export (τ 1.30 vs 1.000).
+REFERENCE_MARGIN = 0.1
+
+
 def acceptance_gate(results: dict[str, dict], tau_sim: float | None, min_tau: float, max_sim_gap: float,
                     ) -> tuple[list[str], list[str]]:
     """Judge served acceptance: ``(failures, flags)``, each a list of human-readable lines.
 
     ``results``: engine name → its result dict with ``tau`` (mean acceptance length, 1.0 = nothing accepted);
-    entries without ``tau`` (a skipped engine) are ignored. A τ below ``min_tau`` is a failure (the seeds'
-    "25 % acceptance = nothing accepted" case); a τ more than ``max_sim_gap`` below the training-time τ_sim
-    is a flag (EAGLE issue #264: train accuracy 0.9, served τ 1.2), as is an engine far from the reference.
+    entries without ``tau`` (a skipped engine) are ignored; ``"reference"`` is the reference decoder running
+    the trained draft on the same prompts. A τ below ``min_tau`` is a failure (the seeds' "25 % acceptance =
+    nothing accepted" case); a τ more than ``max_sim_gap`` below the training-time τ_sim is a flag (EAGLE
+    issue #264: train accuracy 0.9, served τ 1.2), as is an engine far from the reference. An engine below
+    ``min_tau`` or near 1.0 while the reference reaches ``min_tau`` and beats it by :data:`REFERENCE_MARGIN`
+    gets a line saying the training is not at fault, the export or that engine's reading of it is
+    (:func:`export_at_fault`): a failure line beside its failure, else a flag.
     """
     failures, flags = [], []
+    ref = results.get("reference", {}).get("tau")
     for name, res in results.items():
         tau = res.get("tau") if isinstance(res, dict) else None
         if tau is None:
             continue
         if tau < min_tau:
             failures.append(f"{name}: τ = {tau:.3f} < serve.min_tau = {min_tau} ({_accepted(res)})")
+        if name != "reference" and export_at_fault(tau, ref, min_tau):
+            (failures if tau < min_tau else flags).append(_export_blamed(name, tau, ref))
         if tau_sim is not None and tau < tau_sim - max_sim_gap:
             flags.append(f"{name}: served τ {tau:.3f} is {tau_sim - tau:.3f} below the trained draft's τ_sim "
                          f"{tau_sim:.3f} (serve.max_sim_gap = {max_sim_gap}): serving does not feed what training saw")
+        if name != "reference" and ref is not None and abs(tau - ref) > max_sim_gap:
+            flags.append(f"{name}: served τ {tau:.3f} vs reference decoder {ref:.3f} on the same prompts")
     if failures and tau_sim is not None and tau_sim < min_tau:
         failures.append(f"the draft itself accepts nothing on held-out features: its τ_sim is {tau_sim:.3f} — "
                         "it is undertrained (more data or epochs), not miswired; for a smoke run lower serve.min_tau")
-    ref = results.get("reference", {}).get("tau")
-    for name, res in results.items():
-        tau = res.get("tau") if isinstance(res, dict) else None
-        if name != "reference" and tau is not None and ref is not None and abs(tau - ref) > max_sim_gap:
-            flags.append(f"{name}: served τ {tau:.3f} vs reference decoder {ref:.3f} on the same prompts")
     return failures, flags
+
+
+def export_at_fault(tau: float, ref: float | None, min_tau: float) -> bool:
+    """Whether an engine's τ, against the reference decoder's ``ref`` on the same prompts, blames the export or
+    the engine's reading of it rather than the training: the engine accepts (almost) nothing (below
+    ``min_tau`` or within :data:`REFERENCE_MARGIN` of 1.0) while the trained draft, run by the reference
+    decoder, reaches ``min_tau`` and beats the engine by at least :data:`REFERENCE_MARGIN`."""
+    if ref is None:
+        return False
+    engine_low = tau < min_tau or tau < 1.0 + REFERENCE_MARGIN
+    return engine_low and ref >= min_tau and ref >= tau + REFERENCE_MARGIN
+
+
+def _export_blamed(name: str, tau: float, ref: float) -> str:
+    """The line that names the export (or ``name``'s reading of it), not the training, as the fault."""
+    return (f"{name}: the reference decoder reaches τ {ref:.3f} with the trained draft on the same prompts, {name} "
+            f"{tau:.3f} with its export: the training is not at fault; the export or {name}'s reading of it is — "
+            "the aux layer ids in the exported config.json, d2t / t2d in its model.safetensors, its RoPE and "
+            f"architectures fields (`eaglepipe inspect` on the {name} export folder names each)")
 
 
 def _accepted(res: dict) -> str:

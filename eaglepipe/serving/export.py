@@ -4,7 +4,8 @@ Per engine: ``config.json`` (llama fields of the draft, ``draft_vocab_size``, ``
 ids in that engine's meaning and place through :func:`eaglepipe.contract.convention.write_draft_ids` — and the other
 serving engine's ids too, in its own meaning and place, so either engine loading either folder feeds the
 trained layers — and an
-``eaglepipe`` block stating the boundaries trained on) and ``model.safetensors`` with exactly ``fc.weight``,
+``eaglepipe`` block stating the boundaries trained on and, as ``rope``, the RoPE trained with: the lineage
+``eaglepipe inspect`` reads as fact) and ``model.safetensors`` with exactly ``fc.weight``,
 ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool). The target's
 embeddings are not exported: both engines share the target's.
 
@@ -96,7 +97,9 @@ def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
 
     RoPE: the draft's (= the target's) ``rope_parameters`` plus ``rope_theta`` / ``rope_scaling``
     (:func:`eaglepipe.model.rope.engine_fields`): vllm 0.32 ``models/llama.py _init_rotary_emb`` and sglang 0.5.23
-    ``models/llama.py LlamaDecoderLayer`` read ``config.rope_parameters``.
+    ``models/llama.py LlamaDecoderLayer`` read ``config.rope_parameters``. The ``eaglepipe`` block starts with
+    ``rope``, the resolved RoPE the draft was trained with (:attr:`DraftConfig.rope`); the ids added later
+    keep it.
     """
     return {
         "architectures": [ARCH],
@@ -122,6 +125,7 @@ def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
         "pad_token_id": target_cfg.get("pad_token_id"),
         "torch_dtype": dtype,
         "dtype": dtype,
+        "eaglepipe": {"rope": cfg.rope},  # lineage: the RoPE it was trained with (inspect reads it as a fact)
     }
 
 
