@@ -70,7 +70,7 @@ def prepare(name: str, work: Path) -> dict:
 
 def verify(engine: str, work: Path) -> dict:
     """``engine``'s own capture with the exported ids vs the stored features (runs in its own process)."""
-    from eaglepipe.contract import convention
+    from eaglepipe.contract import convention, draft_config
     from eaglepipe.contract.validate import check_offsets
     from eaglepipe.data.features import FeatureSet
     from eaglepipe.engines import get_engine
@@ -80,7 +80,7 @@ def verify(engine: str, work: Path) -> dict:
     fs = FeatureSet(work / "features")
     if engine != "hf":
         exported = json.loads((work / "export" / engine / "config.json").read_text())
-        ids = convention.config_ids(exported, engine, runner="v1")[0]
+        ids = draft_config.config_ids(exported, engine, runner="v1")[0]
     else:
         ids = convention.engine_ids("hf", info.family, LAYERS, info.n_layers)
     opts = {"max_model_len": 128} if engine == "vllm" else {"max_total_tokens": 1024} if engine == "sglang" else {}

@@ -252,10 +252,10 @@ def seeds(a) -> None:
                                                 "features_engine_version": manifest["engine_version"],
                                                 "export": verdict, **_gpu()})
         return
-    from eaglepipe.contract import convention
+    from eaglepipe.contract import draft_config
 
     exported_cfg = json.loads((w / "export" / "sglang" / "config.json").read_text())
-    exported_ids = convention.config_ids(exported_cfg, "sglang")[0]
+    exported_ids = draft_config.config_ids(exported_cfg, "sglang")[0]
     ok = _check("sglang", w / "target", w / "features", SEEDS_LAYERS, dtype="bfloat16", max_total_tokens=2048)
     # The seeds' ids: "id i = output of decoder layer i" (what an exporter that writes Llama's SGLang ids
     # writes: boundary k → id k-1), read by SGLang's DeepSeek first-id rule, which adds +1 only when ids[0]==1.

@@ -3,6 +3,7 @@
 import pytest
 
 from eaglepipe.contract import convention as conv
+from eaglepipe.contract import draft_config
 from eaglepipe.errors import ConventionError
 
 SGL, VLLM = "0.5.23", "0.32.0"
@@ -140,25 +141,25 @@ def test_check_fc_width_accepts_match():
 def test_missing_ids_refused_unless_default_allowed():
     draft = {"architectures": ["LlamaForCausalLMEagle3"]}
     with pytest.raises(ConventionError, match=r"τ 2.77 to 1.036"):
-        conv.read_draft_boundaries(draft, "sglang", "llama", 30, SGL)
-    assert conv.read_draft_boundaries(draft, "sglang", "llama", 30, SGL, allow_default=True) == [2, 15, 27]
+        draft_config.read_draft_boundaries(draft, "sglang", "llama", 30, SGL)
+    assert draft_config.read_draft_boundaries(draft, "sglang", "llama", 30, SGL, allow_default=True) == [2, 15, 27]
 
 
 def test_vllm_reads_top_level_before_nested():
     both = {"eagle_aux_hidden_state_layer_ids": [2, 15, 27], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
-    assert conv.read_draft_boundaries(both, "vllm", "llama", 30, VLLM) == [2, 15, 27]
-    assert conv.read_draft_boundaries(both, "sglang", "llama", 30, SGL) == [2, 15, 27]
+    assert draft_config.read_draft_boundaries(both, "vllm", "llama", 30, VLLM) == [2, 15, 27]
+    assert draft_config.read_draft_boundaries(both, "sglang", "llama", 30, SGL) == [2, 15, 27]
     nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
     with pytest.raises(ConventionError, match="V2 runner .* ignores it"):
-        conv.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM)
-    assert conv.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM, runner="v1") == [1, 14, 26]
-    assert conv.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM, runner="v2", allow_default=True) == [2, 15, 27]
+        draft_config.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM)
+    assert draft_config.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM, runner="v1") == [1, 14, 26]
+    assert draft_config.read_draft_boundaries(nested, "vllm", "llama", 30, VLLM, runner="v2", allow_default=True) == [2, 15, 27]
 
 
 def test_write_draft_ids_for_both_engines():
     base = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"use_aux_hidden_state": True}}
-    sgl = conv.write_draft_ids(base, "sglang", "llama", [2, 15, 27], 30, SGL)
-    both = conv.write_draft_ids(sgl, "vllm", "llama", [2, 15, 27], 30, VLLM)
+    sgl = draft_config.write_draft_ids(base, "sglang", "llama", [2, 15, 27], 30, SGL)
+    both = draft_config.write_draft_ids(sgl, "vllm", "llama", [2, 15, 27], 30, VLLM)
     assert base == {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"use_aux_hidden_state": True}}
     assert both == {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -177,15 +178,15 @@ def test_write_draft_ids_for_both_engines():
         },
     }
     for engine, version in (("sglang", SGL), ("vllm", VLLM), ("hf", None)):
-        assert conv.read_draft_boundaries(both, engine, "llama", 30, version) == [2, 15, 27]
+        assert draft_config.read_draft_boundaries(both, engine, "llama", 30, version) == [2, 15, 27]
     with pytest.raises(ConventionError, match=r"already states aux_boundaries \[2, 15, 27\], not \[3, 15, 27\]"):
-        conv.write_draft_ids(both, "vllm", "llama", [3, 15, 27], 30, VLLM)
+        draft_config.write_draft_ids(both, "vllm", "llama", [3, 15, 27], 30, VLLM)
 
 
 def test_write_draft_ids_kimi_heuristic():
-    out = conv.write_draft_ids({}, "sglang", "kimi_k25", [3, 31, 59], 61, SGL)
+    out = draft_config.write_draft_ids({}, "sglang", "kimi_k25", [3, 31, 59], 61, SGL)
     assert out["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]}
-    assert conv.read_draft_boundaries(out, "sglang", "kimi_k25", 61, SGL) == [3, 31, 59]
+    assert draft_config.read_draft_boundaries(out, "sglang", "kimi_k25", 61, SGL) == [3, 31, 59]
 
 
 # --- the H200 machine's engines: sglang 0.5.17 and vllm 0.26.x, read from their wheels --------------------
@@ -295,11 +296,11 @@ def test_h200_refusals(call, match):
 def test_h200_draft_config_reading():
     # both runners of 0.26 read the top-level field; SGLang 0.5.17 only the nested one
     both = {"eagle_aux_hidden_state_layer_ids": [2, 15, 27], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
-    assert conv.read_draft_boundaries(both, "vllm", "llama", 30, VLLM26, runner="v2") == [2, 15, 27]
-    assert conv.read_draft_boundaries(both, "vllm", "llama", 30, VLLM26, runner="v1") == [2, 15, 27]
-    assert conv.read_draft_boundaries(both, "sglang", "llama", 30, SGL17) == [2, 15, 27]
-    out = conv.write_draft_ids({}, "sglang", "llama", [2, 15, 27], 30, SGL17)
-    out = conv.write_draft_ids(out, "vllm", "llama", [2, 15, 27], 30, VLLM26)
+    assert draft_config.read_draft_boundaries(both, "vllm", "llama", 30, VLLM26, runner="v2") == [2, 15, 27]
+    assert draft_config.read_draft_boundaries(both, "vllm", "llama", 30, VLLM26, runner="v1") == [2, 15, 27]
+    assert draft_config.read_draft_boundaries(both, "sglang", "llama", 30, SGL17) == [2, 15, 27]
+    out = draft_config.write_draft_ids({}, "sglang", "llama", [2, 15, 27], 30, SGL17)
+    out = draft_config.write_draft_ids(out, "vllm", "llama", [2, 15, 27], 30, VLLM26)
     assert out["eaglepipe"]["engines"] == {
         "sglang": {"version": SGL17, "ids": [1, 14, 26], "field": "eagle_config.eagle_aux_hidden_state_layer_ids"},
         "vllm": {"version": VLLM26, "ids": [2, 15, 27], "field": "eagle_aux_hidden_state_layer_ids"},

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglepipe.contract import convention
+from eaglepipe.contract import draft_config
 from eaglepipe.errors import ConventionError, ExportError
 from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
 from eaglepipe.serving.export import export_draft
@@ -39,12 +39,12 @@ def test_export_per_engine(drafter, tiny_target, tmp_path, engine, version, fiel
     got = cfg["eagle_aux_hidden_state_layer_ids"] if field == "top" else cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert got == ids and cfg["num_aux_hidden_states"] == 3
     assert cfg["eaglepipe"]["aux_boundaries"] == [1, 2, 3]
-    assert convention.read_draft_boundaries(cfg, engine, "llama", 4, version) == [1, 2, 3]
+    assert draft_config.read_draft_boundaries(cfg, engine, "llama", 4, version) == [1, 2, 3]
     # the other engine's ids are written too, in its own meaning and place: both engines feed the trained layers
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     for eng, ver in (("vllm", "0.32.0"), ("sglang", "0.5.23")):
-        assert convention.read_draft_boundaries(cfg, eng, "llama", 4, ver, runner="v2" if eng == "vllm" else None) \
+        assert draft_config.read_draft_boundaries(cfg, eng, "llama", 4, ver, runner="v2" if eng == "vllm" else None) \
             == [1, 2, 3]
     assert sorted(cfg["eaglepipe"]["engines"]) == ["sglang", "vllm"]
     w = load_file(out / "model.safetensors")

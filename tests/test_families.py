@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglepipe.contract import convention
+from eaglepipe.contract import convention, draft_config
 from eaglepipe.errors import ParamsError
 from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
 from eaglepipe.serving.export import export_all
@@ -133,7 +133,7 @@ def test_two_aux_export_sizes_fc_by_num_aux_hidden_states(tmp_path, tiny_target)
         c = json.loads((tmp_path / "export" / engine / "config.json").read_text())
         assert c["num_aux_hidden_states"] == 2
         assert load_file(str(tmp_path / "export" / engine / "model.safetensors"))["fc.weight"].shape == (32, 64)
-        assert convention.config_ids(c, engine, runner="v1")[0] == ids
+        assert draft_config.config_ids(c, engine, runner="v1")[0] == ids
 
 
 def test_export_writes_the_targets_llama3_rope(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from eaglepipe.cli import main
 from eaglepipe.contract import convention as conv
+from eaglepipe.contract import draft_config
 from eaglepipe.contract.inspect import format_report, inspect_draft
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -45,7 +46,7 @@ def write_draft(path, config, n_aux=3, d2t="offsets", draft_vocab=8):
 def eaglepipe_config(boundaries=(2, 4, 7)):
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8, "target_hidden_size": 16, **LLAMA_FIELDS}
     for engine in ("sglang", "vllm"):
-        cfg = conv.write_draft_ids(cfg, engine, "llama", list(boundaries), 8, VERSIONS[engine])
+        cfg = draft_config.write_draft_ids(cfg, engine, "llama", list(boundaries), 8, VERSIONS[engine])
     return cfg
 
 
@@ -167,9 +168,9 @@ def test_export_for_vllm_only_is_not_an_sglang_problem(tmp_path):
     """h[0] (the embeddings) cannot be expressed for SGLang's llama (+1 rule, negative ids refused): export
     writes only vLLM's ids. inspect must not call SGLang's default-layer collapse a problem of that folder."""
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8, "target_hidden_size": 16, **LLAMA_FIELDS}
-    cfg = conv.write_draft_ids(cfg, "vllm", "llama", [0, 4, 7], 8, VERSIONS["vllm"])
+    cfg = draft_config.write_draft_ids(cfg, "vllm", "llama", [0, 4, 7], 8, VERSIONS["vllm"])
     with pytest.raises(conv.ConventionError):
-        conv.write_draft_ids(cfg, "sglang", "llama", [0, 4, 7], 8, VERSIONS["sglang"])
+        draft_config.write_draft_ids(cfg, "sglang", "llama", [0, 4, 7], 8, VERSIONS["sglang"])
     r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
     assert r.engines["vllm"].boundaries == [0, 4, 7] and r.engines["vllm"].served
     assert not r.engines["sglang"].served and r.engines["sglang"].problems == []

@@ -68,3 +68,23 @@ def test_the_product_never_names_the_lab():
         offenders += [f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
                       for m in LAB_NAMES.finditer(text)]
     assert not offenders, "the product names the lab:\n" + "\n".join(offenders)
+
+
+README_MAX_LINES = 300
+MAX_MODULE_LINES = 450
+
+
+def test_the_readme_is_for_users_and_short():
+    """README.md fits its budget and carries no run history: no commit hashes, dates or run-by-run timings
+    (current figures live in benchmarks/README.md, linked JSON)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, f"README.md has {len(text.splitlines())} lines"
+    history = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b[0-9a-f]{7,40}\b(?![-\w])|\b\d+ min \d+ s\b")
+    hits = [m.group(0) for m in history.finditer(text) if not m.group(0).isdigit()]
+    assert not hits, f"README.md carries run history: {hits}"
+
+
+def test_no_product_module_is_longer_than_450_lines():
+    long = [f"{p.relative_to(REPO)}: {len(t.splitlines())}" for p, t in _sources("eaglepipe", "stages").items()
+            if len(t.splitlines()) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern):\n" + "\n".join(long)

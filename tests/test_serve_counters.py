@@ -60,8 +60,12 @@ def test_sglang_probe_draft_makes_sglang_read_the_ids(tmp_path):
 
     from safetensors import safe_open
 
-    from eaglepipe.contract import convention
-    from eaglepipe.engines.sglang_probe import capture_server_args, has_capture_only_mode, probe_draft
+    from eaglepipe.contract import draft_config
+    from eaglepipe.engines.sglang_probe import (
+        capture_server_args,
+        has_capture_only_mode,
+        probe_draft,
+    )
     from eaglepipe.target.tiny import build
 
     target = build("llama", tmp_path / "t")
@@ -69,7 +73,7 @@ def test_sglang_probe_draft_makes_sglang_read_the_ids(tmp_path):
     h = cfg["hidden_size"]
     out = probe_draft(target, [1, 3, 4, 5], tmp_path / "w")
     dcfg = json.loads((out / "config.json").read_text())
-    assert convention.config_ids(dcfg, "sglang") == ([1, 3, 4, 5], convention.NESTED_FIELD)
+    assert draft_config.config_ids(dcfg, "sglang") == ([1, 3, 4, 5], draft_config.NESTED_FIELD)
     assert dcfg["num_aux_hidden_states"] == 4 and dcfg["architectures"] == ["LlamaForCausalLMEagle3"]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert tuple(f.get_slice("fc.weight").get_shape()) == (h, 4 * h)

@@ -29,7 +29,7 @@ never guessed. `validate_offsets` proves each translation against the engine's o
 NOTES = """\
 ## Where the ids are read
 
-The same in every version above unless stated (`convention.config_ids` reads a config as each engine does):
+The same in every version above unless stated (`draft_config.config_ids` reads a config as each engine does):
 
 - SGLang: only `config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]`
   (srt/model_executor/model_runner_components/spec_aux_hidden_state.py `_resolve_eagle_aux_hidden_state`;
@@ -52,7 +52,7 @@ The same in every version above unless stated (`convention.config_ids` reads a c
   `get_eagle3_default_aux_hidden_state_layers` = (2, N//2, N-3). Both = h[2], h[N//2], h[N-3].
 - The draft's fc width is NOT taken from the ids everywhere: SGLang llama_eagle3.py and vLLM
   llama_eagle3.py size `fc` from `num_aux_hidden_states`, else the NESTED id list, else 3 (same code in
-  all four versions). That is why `convention.write_draft_ids` always writes `num_aux_hidden_states`.
+  all four versions). That is why `draft_config.write_draft_ids` always writes `num_aux_hidden_states`.
 - Every engine feeds the drafter the pre-norm residual stream, concatenated in ascending layer order, each
   captured layer once: ids that land on the same boundary collapse into one state, and the draft's `fc` then
   receives fewer features than it was trained on (refused by the translator).

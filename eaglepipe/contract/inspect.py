@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglepipe.contract import convention as conv
+from eaglepipe.contract import draft_config
 from eaglepipe.contract.draft_weights import check_vocab, draft_tensors, find_tensor
 from eaglepipe.engine_table import SERVING
 from eaglepipe.errors import ConventionError, EaglepipeError
@@ -128,7 +129,7 @@ def detect_format(cfg: dict) -> str:
         return "modelopt"
     if "eagle_aux_hidden_state_layer_ids" in nested:
         return "sglang/specforge"
-    if conv.TOP_FIELD in cfg:
+    if draft_config.TOP_FIELD in cfg:
         return "vllm"
     archs = cfg.get("architectures") or []
     if archs == ["LlamaForCausalLM"]:
@@ -143,7 +144,7 @@ def _vllm_view(cfg: dict, fmt: str) -> dict:
     if fmt != "speculators":
         return cfg
     view = dict(cfg.get("transformer_layer_config") or {})
-    for key in ("draft_vocab_size", "target_hidden_size", conv.TOP_FIELD):
+    for key in ("draft_vocab_size", "target_hidden_size", draft_config.TOP_FIELD):
         if cfg.get(key):
             view[key] = cfg[key]
     view["architectures"] = [_VLLM_SPECULATORS_ARCH.get(view.get("model_type", "llama"), "?")]
@@ -167,13 +168,13 @@ def _fc_states(engine: str, arch: str, cfg: dict) -> int:
     nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     nested_ids = nested.get("eagle_aux_hidden_state_layer_ids")
     if engine == "sglang" and arch == "Eagle3DeepseekV2ForCausalLM":  # kimi_k25_eagle3._get_eagle_aux_layer_count
-        ids = nested_ids if nested_ids is not None else cfg.get(conv.TOP_FIELD)
+        ids = nested_ids if nested_ids is not None else cfg.get(draft_config.TOP_FIELD)
         return len(ids) if ids is not None else 3
     if engine == "vllm" and arch == "Eagle3Qwen3ForCausalLM":  # qwen3_eagle3.py
         for key in ("num_aux_layers", "num_aux_hidden_states"):
             if cfg.get(key) is not None:
                 return cfg[key]
-        ids = cfg.get(conv.TOP_FIELD) or nested_ids
+        ids = cfg.get(draft_config.TOP_FIELD) or nested_ids
         return len(ids) if ids else 3
     # sglang llama_eagle3.py, vllm llama_eagle3.py / deepseek_eagle3.py: explicit count > nested ids > 3.
     if cfg.get("num_aux_hidden_states") is not None:
@@ -198,14 +199,14 @@ def _engine_view(engine: str, version: str, cfg: dict, family: str, n_layers: in
         runners = ("v1", "v2") if engine == "vllm" else (None,)
         fed = {}
         for runner in runners:
-            ids, where = conv.config_ids(cfg, engine, runner)
-            fed[runner] = (ids, where, conv.read_draft_boundaries(
+            ids, where = draft_config.config_ids(cfg, engine, runner)
+            fed[runner] = (ids, where, draft_config.read_draft_boundaries(
                 cfg, engine, family, n_layers, version, allow_default=True, runner=runner))
         view.ids, view.field, view.boundaries = fed[runners[-1]]
         if engine == "vllm" and fed["v1"][2] != fed["v2"][2]:
             view.problems.append(
                 f"vLLM runners disagree: V1 reads {fed['v1'][1]} = {fed['v1'][0]} → h{fed['v1'][2]}, "
-                f"V2 (default on CUDA) uses its default h{fed['v2'][2]}; write {conv.TOP_FIELD} at the top level"
+                f"V2 (default on CUDA) uses its default h{fed['v2'][2]}; write {draft_config.TOP_FIELD} at the top level"
             )
     except ConventionError as e:
         view.problems.append(str(e))

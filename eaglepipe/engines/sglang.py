@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.contract import convention
+from eaglepipe.contract import convention, draft_config
 from eaglepipe.engines import serve
 from eaglepipe.engines.base import Engine, cpu_groups
 from eaglepipe.engines.serve import groups
@@ -71,7 +71,7 @@ def draft_layer_ids(draft_dir: str | Path) -> list[int] | None:
     ``_resolve_eagle_aux_hidden_state`` (srt/model_executor/model_runner_components/spec_aux_hidden_state.py).
     """
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    ids, _ = convention.config_ids(cfg, "sglang")
+    ids, _ = draft_config.config_ids(cfg, "sglang")
     return ids
 
 
@@ -215,7 +215,7 @@ class SGLangEngine(Engine):
         ids = draft_layer_ids(draft_dir)
         if ids is None:
             raise ConventionError(
-                f"{draft_dir}/config.json has no {convention.NESTED_FIELD}: SGLang would use its default"
+                f"{draft_dir}/config.json has no {draft_config.NESTED_FIELD}: SGLang would use its default"
             )
         return self.capture(sequences, ids)
 

@@ -47,7 +47,7 @@ def probe_draft(target_dir: Path, ids: list[int], work_dir: Path, dtype: str = "
     """
     from safetensors.torch import save_file
 
-    from eaglepipe.contract import convention
+    from eaglepipe.contract import draft_config
     from eaglepipe.model.draft import DraftConfig, Eagle3Draft
     from eaglepipe.serving.export import draft_config_json
     from eaglepipe.target.config import lm_fields, read_target_config
@@ -65,7 +65,7 @@ def probe_draft(target_dir: Path, ids: list[int], work_dir: Path, dtype: str = "
                for n, t in draft.state_dict().items()}
     config = draft_config_json(cfg, text_cfg, dtype)
     config["num_aux_hidden_states"] = len(ids)
-    config["eagle_config"] = {convention.NESTED_FIELD.split(".")[1]: list(ids)}
+    config["eagle_config"] = {draft_config.NESTED_FIELD.split(".")[1]: list(ids)}
     tmp = Path(str(out) + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})

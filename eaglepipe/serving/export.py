@@ -1,7 +1,7 @@
 """Export a trained draft as a folder each engine loads as is (``LlamaForCausalLMEagle3``).
 
 Per engine: ``config.json`` (llama fields of the draft, ``draft_vocab_size``, ``target_hidden_size``, the aux
-ids in that engine's meaning and place through :func:`eaglepipe.contract.convention.write_draft_ids` — and the other
+ids in that engine's meaning and place through :func:`eaglepipe.contract.draft_config.write_draft_ids` — and the other
 serving engine's ids too, in its own meaning and place, so either engine loading either folder feeds the
 trained layers — and an
 ``eaglepipe`` block stating the boundaries trained on and, as ``rope``, the RoPE trained with: the lineage
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglepipe.atomic import atomic_dir, atomic_write_json
-from eaglepipe.contract import convention
+from eaglepipe.contract import convention, draft_config
 from eaglepipe.engine_table import SERVING as SERVING_ENGINES
 from eaglepipe.errors import ConventionError, ExportError
 from eaglepipe.model.draft import DraftConfig
@@ -167,13 +167,13 @@ def export_draft(
         ver = (version if eng == engine else None) or convention.installed_version(eng) \
             or convention.KNOWN_VERSIONS.get(eng)
         try:
-            config = convention.write_draft_ids(config, eng, family, layers, n_layers, ver)
+            config = draft_config.write_draft_ids(config, eng, family, layers, n_layers, ver)
         except ConventionError as e:
             if eng == engine:
                 raise
             log.warning("%s cannot serve this draft (%s); its ids are not written", eng, e)
             continue
-        back = convention.read_draft_boundaries(config, eng, family, n_layers, ver)
+        back = draft_config.read_draft_boundaries(config, eng, family, n_layers, ver)
         if back != list(layers):
             raise ExportError(f"{eng} {ver} would feed h{back} for this config, but the draft was trained on "
                               f"h{list(layers)}; refusing to export")
