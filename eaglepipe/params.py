@@ -92,19 +92,12 @@ class ExtractParams(_Strict):
     store: Literal["features", "tokens"] = Field(
         "features", description="features: shards hold h[k] and h[N] per token (offline training); tokens: token "
         "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "
-        "reads; train_drafter then computes the features online with the hf engine's capture on its device")
+        "reads; train_drafter then computes the features online with extract.engine's capture: hf on the training "
+        "device, or vllm / sglang in their own processes at tensor_parallel_size (the trainer holds no target)")
     quantization: str | None = Field(None, description="the engine's own quantization method (e.g. 'fp8' on "
                                      "vllm/sglang; eaglepipe/target/quantization.py): extract with the quantized "
                                      "serving engine itself, so the features carry its numerics")
 
-    @field_validator("store")
-    @classmethod
-    def _online_capture_is_hf(cls, v: str, info: ValidationInfo) -> str:
-        engine = info.data.get("engine", "hf")
-        if v == "tokens" and engine != "hf":
-            raise ValueError(f"needs extract.engine: hf (got {engine!r}): train_drafter computes the features online "
-                             "with the hf engine's capture, so the gate samples must be captured by it too")
-        return v
 
 
 class ValidateParams(_Strict):
@@ -227,12 +220,11 @@ class Params(_Strict):
         if self.tensor_parallel_size == 1:
             return self
         hf = [f"{k}: {v}" for k, v in (("framework", self.framework), ("extract.engine", self.extract.engine),
-                                       ("extract.regenerate_engine", self.extract.regenerate_engine),
-                                       ("extract.store", self.extract.store)) if v in ("hf", "tokens")]
+                                       ("extract.regenerate_engine", self.extract.regenerate_engine)) if v == "hf"]
         if hf:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} shards the target in vllm or sglang, "
-                             f"but {', '.join(hf)} runs it whole on one device in the hf engine (extract.store: "
-                             "tokens captures online with it); use vllm or sglang there and extract.store: features")
+                             f"but {', '.join(hf)} runs it whole on one device in the hf engine; use vllm or sglang "
+                             "there")
         return self
 
     @field_validator("extract")

@@ -1,8 +1,8 @@
 """Stage `target`: make the target an HF folder without loading a user's weights.
 
 Usage: python stages/target.py OUT_DIR METRICS_JSON
-Reads params `target`, `extract.engine` and `extract.store` (a pre-quantized target is refused here where the
-hf engine would capture it) and `tensor_parallel_size` (on a GPU, weights that cannot fit at that size are
+Reads params `target`, `extract.engine` (a pre-quantized target is refused here where the hf engine would
+capture it, offline or online) and `tensor_parallel_size` (on a GPU, weights that cannot fit at that size are
 refused here, naming the size that fits); writes OUT_DIR (config, tokenizer + chat template, the weights linked or
 a GGUF dequantized) and METRICS_JSON (N, hidden size, vocab, dtype, content hash).
 """
@@ -21,8 +21,7 @@ def main():
     p = start("target")
     out_dir, metrics = sys.argv[1:3]
     if Path(p.target.source).is_dir():  # a local HF folder: its refusals come before anything is written
-        refuse_hf_on_quantized(p.target.source, [f"{k}: {v}" for k, v in (
-            ("extract.engine", p.extract.engine), ("extract.store", p.extract.store)) if v in ("hf", "tokens")])
+        refuse_hf_on_quantized(p.target.source, ["extract.engine: hf"] if p.extract.engine == "hf" else [])
         if torch.cuda.is_available():  # on a CPU the engines hold every rank's shard in one host's memory
             check_fits(weight_bytes(p.target.source), p.tensor_parallel_size,
                        torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())

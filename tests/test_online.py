@@ -348,14 +348,39 @@ def test_scaling_subset_store_holds_the_first_shards(stores, tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(sub.tokens(a), full.tokens(b)))
 
 
-def test_tokens_store_needs_the_hf_engine():
+def test_a_tokens_store_of_any_engine_is_accepted_and_tp_needs_a_serving_engine():
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["extract"].update(store="tokens", engine="vllm")
-    with pytest.raises(ParamsError, match="'extract.store' = 'tokens': needs extract.engine: hf"):
-        parse_params(raw)
-    raw["extract"]["engine"] = "hf"
     assert parse_params(raw).extract.store == "tokens"
-    assert parse_params(yaml.safe_load((REPO / "params.yaml").read_text())).extract.store == "features"
+    raw["tensor_parallel_size"] = 2
+    assert parse_params(raw).tensor_parallel_size == 2  # vllm extracts, gates and serves: no hf anywhere
+    raw["extract"]["engine"] = "hf"
+    with pytest.raises(ParamsError, match="extract.engine: hf runs it whole on one device"):
+        parse_params(raw)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_online_training_fed_by_vllm_gives_the_offline_curve(tmp_path):
+    """The serving engine computes the features in the loop (its own processes; the trainer holds no target):
+    the loss curve of training on features vLLM stored offline, on the same rows."""
+    pytest.importorskip("vllm")
+    from eaglepipe.target.info import materialize_target
+    from eaglepipe.target.tiny import build
+
+    target = tmp_path / "target"
+    info = materialize_target(str(build("llama", tmp_path / "src")), target)
+    stores = {}
+    for store in ("features", "tokens"):
+        p = ExtractParams(engine="vllm", regenerate=False, shard_size=4, dtype="bfloat16", store=store)
+        extract(conversations(12), target, info, [1, 3, 5], p, tmp_path / store / "features", tmp_path / store / "s",
+                "prompts-hash", gate_samples=GATE)
+        stores[store] = tmp_path / store / "features"
+    p = _params(epochs=2)
+    off = train_drafter(stores["features"], target, tmp_path / "off", p, scratch_dir=tmp_path / "s_off")
+    on = train_drafter(stores["tokens"], target, tmp_path / "on", p, scratch_dir=tmp_path / "s_on")
+    assert FeatureSet(stores["tokens"]).manifest["engine"] == "vllm" and len(on["losses"]) == len(off["losses"]) > 4
+    torch.testing.assert_close(torch.tensor(on["losses"]), torch.tensor(off["losses"]), rtol=1e-4, atol=1e-5)
 
 
 def test_validate_offsets_stage_gates_a_tokens_store(stores, peaked_target, tmp_path):
