@@ -1,6 +1,9 @@
 """Which target families eaglepipe serves, measured: tiny random target → ... → export → inspect, per engine.
 
 Usage: python benchmarks/support_matrix.py [--out metrics/support_matrix.json] [--families a,b] [--engines hf,vllm]
+                                          [--merge]
+``--merge`` replaces only the rows of ``--families`` in the existing ``--out`` (same engine versions required) and
+adds this run's seconds to its total, so new families are measured without rerunning the others.
 
 For each family of :data:`eaglepipe.target.tiny.FAMILIES` (N = 6, layers h[2], h[3], h[4]): the target
 stage (materialize_target), extract through hf (stored features), train a few steps, export_all, and
@@ -12,8 +15,10 @@ stored features by validate_offsets' check (offset search ±1). Rows::
      "offset", "ids", "seconds"}
 
 "verified": the engine's capture with the ids the export wrote matched the stored features at offset 0
-(cosine ≥ 0.999). "refused": eaglepipe refuses it, the reason names the engine source. "not_run": the engine
-could not run the check here (the reason is its error, and what would run it).
+(cosine ≥ 0.999). "refused": eaglepipe refuses it, the reason names the engine source (when eaglepipe refuses
+the target before any engine, e.g. a RoPE the draft cannot copy, each engine's row gives that engine's own
+verdict first). "not_run": the engine could not run the check here (the reason is its error, and what would run
+it).
 """
 
 from __future__ import annotations
@@ -147,6 +152,7 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--verify", nargs=2, metavar=("ENGINE", "WORK"))
+    ap.add_argument("--merge", action="store_true", help="replace only these families' rows in --out")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if a.verify:
@@ -160,7 +166,8 @@ def main() -> None:
             try:
                 summary.update(prepare(name, work))
             except EaglepipeError as e:
-                rows += [_row(summary, eng, "refused", str(e)) for eng in a.engines.split(",")]
+                rows += [_row(summary, eng, "refused", _engine_verdict(eng, work, str(e)))
+                         for eng in a.engines.split(",")]
                 continue
             except Exception as e:  # noqa: BLE001 — a row saying what broke, the other families still run
                 logging.exception("family %s", name)
@@ -174,8 +181,35 @@ def main() -> None:
                 rows[-1]["reason"] += f" | inspect: {summary['inspect_problems']}"
     doc = {"produced_by": "python benchmarks/support_matrix.py", "layers": LAYERS, "min_cosine": MIN_COSINE,
            "seconds": round(time.perf_counter() - t_all, 1), "versions": _versions(), "rows": rows}
+    if a.merge:
+        doc = merge(json.loads(Path(a.out).read_text()), doc)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``old`` with the rows of ``new``'s targets replaced (others kept, in order; new targets appended) and the
+    seconds summed. Raises SystemExit when the engine versions differ: one table, one set of versions."""
+    if old["versions"] != new["versions"] or old["layers"] != new["layers"]:
+        raise SystemExit(f"cannot merge: {old['versions']} / {old['layers']} measured, this run "
+                         f"{new['versions']} / {new['layers']}; rerun every family")
+    targets = {r["target"] for r in new["rows"]}
+    rows = [r for r in old["rows"] if r["target"] not in targets] + new["rows"]
+    return {**old, "seconds": round(old["seconds"] + new["seconds"], 1), "rows": rows}
+
+
+def _engine_verdict(engine: str, work: Path, why: str) -> str:
+    """For a target eaglepipe refused before any engine ran: ``engine``'s own verdict on its family first
+    (:func:`eaglepipe.contract.convention.rule_for`, naming the engine source), then eaglepipe's reason."""
+    from eaglepipe.contract import convention
+    from eaglepipe.errors import ConventionError
+    from eaglepipe.target.config import read_target_config
+
+    try:
+        convention.rule_for(engine, convention.family_of(read_target_config(work / "src")))
+    except ConventionError as e:
+        return f"{e}; also: {why}"
+    return why
 
 
 def _versions() -> dict:

@@ -82,16 +82,28 @@ def _imported_modules(path: Path, repo: Path) -> set[str]:
     return out
 
 
+def _data_files(path: Path) -> set[Path]:
+    """JSON files next to module ``path`` that it names by a string constant (a table it reads, e.g.
+    eaglepipe/contract/capture_support.py's ``capture_table.json``): code too, as far as a stage is concerned."""
+    names = {n.value for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.endswith(".json")}
+    return {path.parent / n for n in names if "/" not in n and (path.parent / n).is_file()}
+
+
 def import_closure(script: Path, repo: Path = PACKAGE_DIR.parent) -> list[Path]:
     """Every eaglepipe source file reachable from ``script`` by imports, statically (ast; nothing is run).
 
-    Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` too, so those are included. The
-    dvc.yaml deps check (tests/test_dvc_deps.py) and the extract resume key both use this one function.
+    Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` too, so those are included, and so are the
+    JSON tables a reached module reads (:func:`_data_files`). The dvc.yaml deps check (tests/test_dvc_deps.py)
+    and the extract resume key both use this one function.
     """
     seen: set[Path] = set()
     todo = [Path(script).resolve()]
     while todo:
-        for mod in _imported_modules(todo.pop(), repo):
+        current = todo.pop()
+        if current.is_relative_to(repo / PACKAGE_DIR.name):
+            seen |= _data_files(current)
+        for mod in _imported_modules(current, repo):
             parts = mod.split(".")
             for i in range(1, len(parts) + 1):
                 f = _module_file(".".join(parts[:i]), repo)

@@ -25,6 +25,11 @@ FORWARD = [
     ("vllm", VLLM, "deepseek_v2", 27, [1, 13, 27], [1, 13, 27]),
     ("vllm", VLLM, "kimi_k25", 61, [3, 31, 59], [3, 31, 59]),
     ("vllm", VLLM, "gpt_oss", 24, [2, 12, 24], [2, 12, 24]),
+    # families no rule lists, through the class each engine captures them with (capture_table.json)
+    ("sglang", SGL, "phi3", 32, [2, 16, 29], [1, 15, 28]),  # Phi3ForCausalLM(LlamaForCausalLM): Llama's +1
+    ("vllm", VLLM, "phi3", 32, [0, 16, 32], [0, 16, 32]),  # phi3.py subclasses llama.py's LlamaForCausalLM
+    ("vllm", VLLM, "granite", 40, [0, 20, 40], [0, 20, 40]),  # granite.py implements SupportsEagle3
+    ("vllm", VLLM, "olmo2", 16, [1, 8, 16], [1, 8, 16]),  # Transformers backend: h[1..N]
 ]
 
 
@@ -83,7 +88,20 @@ REFUSALS = [
     (lambda: conv.engine_ids("vllm", "deepseek_v2", [0, 13, 27], 27, VLLM), r"cannot capture h\[0\]"),
     (lambda: conv.engine_ids("sglang", "gemma3", [2, 13, 23], 26, SGL), r"without `residual`"),
     (lambda: conv.engine_ids("vllm", "glm4_moe_lite", [2, 23, 44], 47, VLLM), r"SupportsEagle3"),
-    (lambda: conv.engine_ids("vllm", "falcon", [2], 30, VLLM), r"unknown model family 'falcon'"),
+    # a model_type no rule lists: the engine's own code decides, and its file is named
+    (lambda: conv.engine_ids("vllm", "falcon", [2], 30, VLLM),
+     r"vllm 0\.32\.0 has no EAGLE-3 capture for FalconForCausalLM \(vllm/model_executor/models/falcon\.py "
+     r"FalconForCausalLM does not implement SupportsEagle3"),
+    (lambda: conv.engine_ids("sglang", "granite", [2], 30, SGL),
+     r"sglang 0\.5\.23 has no EAGLE-3 capture for GraniteForCausalLM \(sglang/srt/models/granite\.py defines no "
+     r"set_eagle3_layers_to_capture"),
+    (lambda: conv.engine_ids("sglang", "olmo2", [2], 30, SGL), r"sglang/srt/models/olmo2\.py defines no"),
+    (lambda: conv.engine_ids("vllm", "phi3", [2], 30, "0.26.0"), r"capture table .* was read from vllm 0\.32\.0"),
+    (lambda: conv.engine_ids("vllm", "not_a_model", [2], 30, VLLM), r"unknown model family 'not_a_model'"),
+    # vLLM's Transformers backend (olmo2): id 0 would be layer `0 - 1`, never h[0]
+    (lambda: conv.engine_ids("vllm", "olmo2", [0, 3, 6], 6, VLLM),
+     r"cannot capture h\[0\] .*/transformers/base\.py Base\.set_aux_hidden_state_layers.*layer - 1"),
+    (lambda: conv.boundaries_of("vllm", "olmo2", [0, 3], 6, VLLM), r"KeyError -1 at start\)\) ask for h\[0\]"),
     (lambda: conv.engine_ids("tgi", "llama", [2], 30, "1.0"), r"unknown engine 'tgi'"),
     (lambda: conv.engine_ids("vllm", "llama", [2], 30, "0.31.0"), r"no layer-id rule for vllm 0.31.0"),
     (lambda: conv.engine_ids("sglang", "llama", [2], 30, "0.5.22"), r"refusing to guess"),
@@ -101,7 +119,7 @@ REFUSALS = [
     (lambda: conv.boundaries_of("sglang", "llama", [-1, 14], 30, SGL), r"negative id"),
     (lambda: conv.boundaries_of("vllm", "llama", [], 30, VLLM), r"empty id list"),
     (lambda: conv.check_fc_width(4 * 576, 3, 576), r"2304 input features but 3 aux states .* 1728; .* imply 4"),
-    (lambda: conv.family_of({"model_type": "falcon"}), r"unknown target model_type \['falcon'\]"),
+    (lambda: conv.family_of({"hidden_size": 8}), r"no model_type"),
 ]
 
 
@@ -128,6 +146,7 @@ def test_version_defaults_to_installed(monkeypatch):
         ({"model_type": "kimi_k2"}, "deepseek_v3"),
         ({"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3"}}, "kimi_k25"),
         ({"model_type": "some_vl_wrapper", "text_config": {"model_type": "qwen3"}}, "qwen3"),
+        ({"model_type": "phi3"}, "phi3"),  # no rule lists it: its own family, decided by each engine's code
     ],
 )
 def test_family_of(config, family):

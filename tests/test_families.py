@@ -2,6 +2,7 @@
 exit code 2 and no traceback, per-engine export decided early (nearest working layer lists), 2-aux export."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,12 @@ def test_kimi_k2_loads_as_deepseek_v3(kimi):
     assert read_info(out, hash_weights=False).family == convention.family_of(saved) == "deepseek_v3"
 
 
-def _run_target_stage(tmp_path: Path, source: Path) -> subprocess.CompletedProcess:
+def _run_target_stage(tmp_path: Path, source: Path, **extract) -> subprocess.CompletedProcess:
+    """stages/target.py on ``source`` with the repository's params; ``framework=`` / ``engine=`` override them."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["target"]["source"] = str(source)
+    params["framework"] = extract.pop("framework", params["framework"])
+    params["extract"].update(extract)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     return subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
                           capture_output=True, text=True)
@@ -71,16 +75,43 @@ def test_target_stage_refuses_with_exit_2_and_no_traceback(tmp_path, changes, me
     assert not (tmp_path / "out").exists()
 
 
-def test_model_type_without_layer_id_rules_is_refused_at_the_target_stage(tmp_path):
-    from transformers import Phi3Config, Phi3ForCausalLM
+GRANITE_SGLANG = (r"framework: sglang: sglang 0\.5\.23 has no EAGLE-3 capture for GraniteForCausalLM "
+                  r"\(sglang/srt/models/granite\.py defines no set_eagle3_layers_to_capture on GraniteForCausalLM "
+                  r"or its bases\)\. Engines that can capture it: hf, vllm")
 
-    Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                               vocab_size=99, pad_token_id=0)).save_pretrained(tmp_path / "src")
-    from eaglepipe.target.tiny import tiny_tokenizer
 
-    tiny_tokenizer().save_pretrained(tmp_path / "src")
-    r = _run_target_stage(tmp_path, tmp_path / "src")
-    assert r.returncode == 2 and "unknown target model_type ['phi3']" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("name,framework,engine,refusal", [
+    ("phi3", "sglang", "hf", None),  # SGLang's Phi3ForCausalLM(LlamaForCausalLM): Llama's capture, no rule of its own
+    ("granite", "hf", "hf", None),  # only hf is asked: SGLang's lack of a granite capture does not matter
+    ("granite", "sglang", "hf", GRANITE_SGLANG),
+    ("olmo2", "vllm", "sglang", r"extract\.engine: sglang: sglang 0\.5\.23 has no EAGLE-3 capture for "
+                                r"Olmo2ForCausalLM \(sglang/srt/models/olmo2\.py"),
+])
+def test_target_stage_asks_only_the_engines_the_params_name(tmp_path, name, framework, engine, refusal):
+    """Families no rule lists pass the target stage when the engines the params name capture them (their own
+    code says so), and are refused, exit 2, naming the engine file, only for an engine the params name."""
+    r = _run_target_stage(tmp_path, build(name, tmp_path / "src"), framework=framework, engine=engine)
+    if refusal is None:
+        assert r.returncode == 0, r.stderr
+        assert json.loads((tmp_path / "target.json").read_text())["family"] == name
+    else:
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert re.search(refusal, r.stderr), r.stderr
+        assert not (tmp_path / "out").exists()
+
+
+def test_hf_capture_needs_model_layers():
+    """eaglepipe's hf hooks sit on model.model.layers: GPT-2 (transformer.h) is refused for hf, naming why;
+    a phi3 config has them."""
+    from transformers import AutoConfig
+
+    from eaglepipe.target.capture_check import capture_problems
+
+    gpt2 = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2)
+    why = capture_problems(gpt2, ["hf", "vllm"])
+    assert "GPT2LMHeadModel has no model.layers with its 2 decoder layers" in why["hf"]
+    assert "eaglepipe/engines/hf.py" in why["hf"]
+    assert capture_problems(AutoConfig.for_model("phi3", num_hidden_layers=2), ["hf", "vllm", "sglang"]) == {}
 
 
 # --- serving engines decided early -------------------------------------------------------------------------
@@ -199,8 +230,19 @@ def test_readme_support_matrix_is_rendered_from_the_json():
     assert all(r["reason"] for r in doc["rows"] if r["status"] != "verified")
     vllm = {r["target"]: r for r in doc["rows"] if r["engine"] == "vllm"}
     assert sorted(vllm) == sorted(["llama", "llama-llama3", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v3",
-                                   "kimi_k2", "qwen2-yarn"])
-    assert all(r["status"] == "verified" and r["offset"] == 0 and r["min_cosine"] >= 0.999 for r in vllm.values())
+                                   "kimi_k2", "qwen2-yarn", "phi3", "granite", "olmo2", "qwen3_moe", "gemma3"])
+    served = {t: r for t, r in vllm.items() if t != "gemma3"}
+    assert all(r["status"] == "verified" and r["offset"] == 0 and r["min_cosine"] >= 0.999 for r in served.values())
+    # families no rule lists: each engine's own code decides, and a refusal names the engine file
+    rows = {(r["target"], r["engine"]): r for r in doc["rows"]}
+    assert rows[("phi3", "sglang")]["status"] == "verified" and rows[("phi3", "sglang")]["ids"] == [1, 2, 3]
+    for name in ("granite", "olmo2"):
+        assert rows[(name, "sglang")]["status"] == "refused"
+        why = rows[(name, "sglang")]["reason"]
+        assert f"sglang/srt/models/{name}.py defines no set_eagle3_layers_to_capture" in why
+    assert {rows[("gemma3", e)]["status"] for e in ("hf", "vllm", "sglang")} == {"refused"}
+    assert "SupportsEagle3" in rows[("gemma3", "vllm")]["reason"]
+    assert "without `residual`" in rows[("gemma3", "sglang")]["reason"]
 
 
 def test_export_refuses_a_draft_trained_with_another_rope(drafter, tmp_path):

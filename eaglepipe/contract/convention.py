@@ -13,21 +13,22 @@ Every engine feeds the drafter the pre-norm residual stream, concatenated in asc
 captured layer once: ids that land on the same boundary collapse into one state, and the draft's ``fc``
 then receives fewer features than it was trained on.
 
-The rule table, where each engine reads the ids, and their defaults: docs/conventions.md, generated from
-this module (``python -m eaglepipe.contract.convention_doc > docs/conventions.md``).
+The rules themselves: :data:`eaglepipe.contract.rules.RULES`; which engine class captures for a family no rule
+lists: :mod:`eaglepipe.contract.capture_support`. The rule table, where each engine reads the ids, and their
+defaults: docs/conventions.md, generated from them
+(``python -m eaglepipe.contract.convention_doc > docs/conventions.md``).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
-from typing import Callable
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from eaglepipe import engine_table
+from eaglepipe.contract import capture_support
 from eaglepipe.contract.boundaries import list_problem
+from eaglepipe.contract.rules import ANY, RULES, Rule, version_matches
 from eaglepipe.errors import ConventionError
 
 CONVENTION = (
@@ -62,131 +63,25 @@ _FAMILY_OF_MODEL_TYPE = {
 FAMILIES = tuple(sorted(set(_FAMILY_OF_MODEL_TYPE.values())))
 
 
-# --- how an engine reads ids: list of ids -> list of boundaries it captures (before dedup/sort) ---------
-
-
-def _identity(ids: list[int], n: int) -> list[int]:
-    return list(ids)
-
-
-def _plus_one(ids: list[int], n: int) -> list[int]:
-    return [i + 1 for i in ids]
-
-
-def _plus_one_if_first_is_one(ids: list[int], n: int) -> list[int]:
-    return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
-
-
-def _identity_if_max_is_n(ids: list[int], n: int) -> list[int]:
-    return list(ids) if ids and max(ids) == n else [i + 1 for i in ids]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How one engine (in some version ranges) maps draft-config ids of one model family to boundaries."""
-
-    engine: str
-    versions: tuple[str, ...]  # PEP 440 specifiers, any of which matches; ("",) = any version
-    families: tuple[str, ...]
-    meaning: str  # one line for humans: what id i means
-    read: Callable[[list[int], int], list[int]] | None  # ids, N -> boundaries; None = refused
-    capturable: Callable[[int], range] | None  # N -> boundaries its capture loop can append
-    source: str  # file + function the rule was read from
-
-
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k25")
-_SGLANG_0517 = ">=0.5.17,<0.5.18"
-_SGLANG_0523 = ">=0.5.23,<0.5.24"
-_SGLANG = (_SGLANG_0517, _SGLANG_0523)
-_VLLM_026 = ">=0.26.0,<0.27"
-_VLLM_032 = ">=0.32.0,<0.33"
-_VLLM = (_VLLM_026, _VLLM_032)
-
-RULES: tuple[Rule, ...] = (
-    Rule("hf", ("",), FAMILIES, "id i = h[i] (identity; index N is pre-norm in eaglepipe's capture)",
-         _identity, lambda n: range(0, n + 1), "eaglepipe's own HF capture"),
-    Rule("sglang", _SGLANG, _LLAMA_LIKE, "id i = h[i+1]", _plus_one, lambda n: range(1, n),
-         "sglang/srt/models/{llama,qwen2,qwen3,qwen3_moe}.py set_eagle3_layers_to_capture "
-         "(layers_to_capture = [val + 1 ...], identical in 0.5.17 and 0.5.23); the model forward captures "
-         "before layer i, i < N (0.5.17: LlamaModel.forward / Qwen2Model.forward inline, Qwen2MoeModel via "
-         "LayerCommunicator.prepare_attn_and_capture_last_layer_outputs; 0.5.23: layer_boundary/stage.py)"),
-    Rule("sglang", _SGLANG, _DEEPSEEK, "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i]",
-         _plus_one_if_first_is_one, lambda n: range(0, n),
-         "sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture "
-         "(`if layer_ids and layer_ids[0] == 1`, identical in 0.5.17 and 0.5.23), sglang PR #25454; "
-         "DeepseekV2Model.forward captures before layer i, i < N (the residual after prepare_attn: the "
-         "embeddings before layer 0); kimi_k25.py delegates to DeepseekV3ForCausalLM"),
-    Rule("sglang", (_SGLANG_0523,), ("glm4_moe_lite",), "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i]",
-         _plus_one_if_first_is_one, lambda n: range(0, n),
-         "sglang/srt/models/glm4_moe_lite.py set_eagle3_layers_to_capture "
-         "(`if layer_ids and layer_ids[0] == 1`), sglang PR #25454; Glm4MoeLiteModel.forward captures "
-         "before layer i, i < N"),
-    Rule("sglang", (_SGLANG_0517,), ("glm4_moe_lite",),
-         "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i] (h[0] not capturable in 0.5.17)",
-         _plus_one_if_first_is_one, lambda n: range(1, n),
-         "sglang 0.5.17 srt/models/glm4_moe_lite.py set_eagle3_layers_to_capture (same heuristic as "
-         "0.5.23); Glm4MoeLiteModel.forward appends `hidden_states + residual` before layer i, and "
-         "residual is None before layer 0, so id 0 (h[0]) fails in the forward; h[N] is never reached"),
-    Rule("sglang", _SGLANG, ("gpt_oss",), "max(ids) == N: id i = h[i]; otherwise id i = h[i+1]",
-         _identity_if_max_is_n, lambda n: range(0, n + 1),
-         "sglang/srt/models/gpt_oss.py set_eagle3_layers_to_capture (`max(layer_ids) == num_layers`, "
-         "identical in 0.5.17 and 0.5.23), sglang PR #32334; GptOssModel.forward captures start_layer "
-         "before the loop and boundary i + 1 after layer i, up to h[N] before the final norm"),
-    Rule("sglang", _SGLANG, ("gemma3",),
-         "refused: SGLang's Gemma3TextModel captures `hidden_states` without `residual` (the previous "
-         "layer's MLP branch output), which is no residual-stream boundary h[k]",
-         None, None, "sglang/srt/models/gemma3_causal.py Gemma3TextModel.forward (identical in 0.5.17 "
-         "and 0.5.23)"),
-    Rule("vllm", _VLLM, _LLAMA_LIKE + ("gpt_oss",), "id i = h[i]", _identity, lambda n: range(0, n + 1),
-         "vllm/model_executor/models/interfaces.py EagleModelMixin._maybe_add_hidden_state, called before "
-         "layer 0 and with idx + 1 after each layer in llama.py, qwen2.py, qwen3_moe.py, gpt_oss.py (0.26's "
-         "llama.py / qwen2.py count idx per pipeline stage: the same ids with one stage)"),
-    Rule("vllm", _VLLM, _DEEPSEEK, "id i = h[i]", _identity,
-         lambda n: range(1, n + 1),
-         "vllm/model_executor/models/deepseek_v2.py DeepseekV2Model.forward (hidden_states + residual "
-         "before layer idx, residual None before layer 0; end_layer after the loop; same in 0.26 and "
-         "0.32); kimi_k25.py wraps DeepseekV2ForCausalLM"),
-    Rule("vllm", _VLLM, ("glm4_moe_lite", "gemma3"),
-         "refused: vLLM's Glm4MoeLiteForCausalLM / Gemma3ForCausalLM do not implement SupportsEagle3",
-         None, None, "vllm/model_executor/models/glm4_moe_lite.py, gemma3.py class bases (0.26 and 0.32)"),
-)
-
-
-def _matches(rule: Rule, version: Version | None) -> bool:
-    """Does ``version`` (None: hf, any) fall in one of the rule's ranges?"""
-    if version is None:
-        return True
-    for versions in rule.versions:
-        try:
-            spec = SpecifierSet(versions)
-        except InvalidSpecifier:  # pragma: no cover - the table is static
-            raise ConventionError(f"bad specifier {versions!r} in RULES") from None
-        if spec.contains(version, prereleases=True):
-            return True
-    return False
-
-
 # --- lookups ---------------------------------------------------------------------------------------------
 
 
 def family_of(hf_config: dict) -> str:
-    """The model family of a target's HF ``config.json`` dict (its ``model_type``, mapped).
+    """The model family of a target's HF ``config.json`` dict: which layer-id rules apply.
 
-    Multimodal wrappers whose own ``model_type`` is unknown are looked up through ``text_config``.
-    Raises ConventionError for an unknown model type (never guessed).
+    A ``model_type`` of :data:`_FAMILY_OF_MODEL_TYPE` (top level, else ``text_config``'s, for multimodal wrappers)
+    gives its listed family; any other top-level ``model_type`` is its own family, whose rules each engine's own
+    code decides (:func:`rule_for` through :mod:`eaglepipe.contract.capture_support`). Raises ConventionError for a
+    config with no ``model_type``.
     """
-    seen = []
-    for cfg in (hf_config, hf_config.get("text_config") or {}):
-        model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
-        if model_type:
-            seen.append(model_type)
-            if model_type in _FAMILY_OF_MODEL_TYPE:
-                return _FAMILY_OF_MODEL_TYPE[model_type]
-    raise ConventionError(
-        f"unknown target model_type {seen or '(none)'}: no layer-id rules for it; "
-        f"known: {sorted(_FAMILY_OF_MODEL_TYPE)}"
-    )
+    seen = [cfg["model_type"] for cfg in (hf_config, hf_config.get("text_config") or {})
+            if isinstance(cfg, dict) and cfg.get("model_type")]
+    for model_type in seen:
+        if model_type in _FAMILY_OF_MODEL_TYPE:
+            return _FAMILY_OF_MODEL_TYPE[model_type]
+    if not seen:
+        raise ConventionError("target config.json has no model_type (top level or text_config)")
+    return seen[0]
 
 
 def n_layers_of(hf_config: dict) -> int:
@@ -235,20 +130,33 @@ def resolve_version(engine: str, version: str | None = None) -> str:
 
 
 def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
-    """The rule for (engine, family, version). Raises ConventionError when there is none or it refuses."""
+    """The rule for (engine, family, version). Raises ConventionError when there is none or it refuses.
+
+    A family :data:`RULES` list (hf: every family) takes its listed rule. Any other family is a model_type whose
+    rule the engine's own code decides (:func:`eaglepipe.contract.capture_support.lookup`): the engine's class
+    for it captures through a class one rule names (phi3 → sglang/srt/models/llama.py LlamaForCausalLM), or it
+    is refused naming the engine file (no capture; or a capture class whose code no rule was read from).
+    """
     version = resolve_version(engine, version)
-    if family not in FAMILIES:
-        raise ConventionError(f"unknown model family {family!r}; known: {list(FAMILIES)}")
     parsed = None
     if engine != "hf":
         try:
             parsed = Version(version)
         except InvalidVersion:
             raise ConventionError(f"{engine} version {version!r} is not a PEP 440 version") from None
-    for rule in RULES:
-        if rule.engine != engine or family not in rule.families:
-            continue
-        if _matches(rule, parsed):
+    listed = [r for r in RULES if r.engine == engine and (family in r.families or ANY in r.families)]
+    if not listed and engine != "hf" and family not in FAMILIES:  # the engine's own code decides
+        cap = capture_support.lookup(engine, version, family)
+        if cap.refusal:
+            raise ConventionError(cap.refusal)
+        listed = [r for r in RULES if r.engine == engine and cap.code_class in r.classes]
+        if not listed:
+            raise ConventionError(
+                f"{engine} {version} captures {cap.architecture} through {cap.code_class}, whose capture code no "
+                f"rule of eaglepipe/contract/rules.py was read from; refusing to guess (read it, then name it in "
+                f"a rule's classes)")
+    for rule in listed:
+        if version_matches(rule, parsed):
             if rule.read is None:
                 raise ConventionError(f"{engine} {version}, family {family}: {rule.meaning} ({rule.source})")
             return rule

@@ -148,9 +148,9 @@ class OffsetReport:
                     f"stored h[{r.boundary}] matches the engine's capture at id {r.engine_id - r.best_offset} "
                     f"(cosine {r.best_cosine:.4f}), not at the exported id {r.engine_id} (cosine {r.cosine:.4f}): "
                     f"given id {r.engine_id} the engine feeds h[{r.boundary + r.best_offset}], "
-                    f"{n} layer{'s' if n > 1 else ''} {depth} than eaglepipe/contract/convention.py assumes for {where} "
+                    f"{n} layer{'s' if n > 1 else ''} {depth} than eaglepipe/contract/rules.py assumes for {where} "
                     f"(off by {r.best_offset:+d}). A draft exported this way would accept almost nothing: fix "
-                    f"the rule for this engine/family/version in eaglepipe/contract/convention.py."
+                    f"the rule for this engine/family/version in eaglepipe/contract/rules.py."
                 )
             elif not self._close(r):
                 lines.append(self._numerics_line(r, where))

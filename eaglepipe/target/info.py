@@ -89,7 +89,7 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
     """Read a materialized target folder's :class:`TargetInfo` (config.json, tokenizer, weight hash).
 
     ``hash_weights=False`` skips hashing the weights (content_hash "") for readers that need only the config.
-    Raises ParamsError (a target problem, exit code 2): an unknown family or a RoPE the draft cannot copy.
+    Raises ParamsError (a target problem, exit code 2): a config without model_type or a RoPE the draft cannot copy.
     """
     folder = Path(folder)
     full = read_target_config(folder)
@@ -169,14 +169,16 @@ def check_fits(weights: int, tensor_parallel_size: int, gpu_bytes: int, gpus: in
 
 
 def target_family(hf_config: dict) -> str:
-    """The convention family of a target ``config.json`` dict; ParamsError (exit 2) when no rules exist."""
+    """The convention family of a target ``config.json`` dict (:func:`eaglepipe.contract.convention.family_of`);
+    ParamsError (exit 2) for a config without a model_type. Whether the engines the params name can capture a
+    family is decided by :mod:`eaglepipe.target.capture_check`, not here."""
     try:
         return convention.family_of(hf_config)
     except ConventionError as e:
-        raise ParamsError(f"target: {e} (eaglepipe/contract/convention.py RULES)") from None
+        raise ParamsError(f"target: {e}") from None
 
 
-def _load_config(folder: Path):
+def load_config(folder: Path):
     """The transformers config of a local HF folder, through LOAD_AS for model types transformers lacks.
 
     Raises ParamsError naming the model_type, why it cannot load and what would make it load.
@@ -214,10 +216,10 @@ def reference_target(folder: Path, out_dir: Path) -> None:
     Top-level files are copied, but for weight files (:data:`WEIGHT_SUFFIXES`), which become absolute symbolic
     links, and other checkpoint formats (:data:`OTHER_WEIGHTS`) and sub-folders (e.g. Llama's ``original/``),
     which are left out. A model_type of ``LOAD_AS`` gets the config of the architecture it is.
-    Raises ParamsError: a model_type neither transformers nor LOAD_AS knows, no rules for its family, a RoPE
+    Raises ParamsError: a model_type neither transformers nor LOAD_AS knows, a config without model_type, a RoPE
     the draft cannot copy, or no weight file.
     """
-    config = _load_config(folder)
+    config = load_config(folder)
     target_family(config.to_dict()), rope_parameters(config.to_dict())  # refuse before writing anything
     files = sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith("."))
     if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
@@ -244,7 +246,7 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
             keeps its own; the engines compute in their ``engine_dtype``).
     Raises:
         ParamsError: unknown source name, missing package, a path without config.json, a model_type that
-            neither transformers nor LOAD_AS knows, a family without layer-id rules, or a RoPE the draft
+            neither transformers nor LOAD_AS knows, a config without model_type, or a RoPE the draft
             cannot copy (all before any weights are loaded).
     """
     out_dir = Path(out_dir)

@@ -1,4 +1,5 @@
-"""Tiny random targets of every family the translator names, saved as local HF folders (tests, support matrix).
+"""Tiny random targets of the families the rules name and of some only the engines' own code decides (phi3, granite,
+olmo2), saved as local HF folders (tests, support matrix).
 
 Sizes are the smallest the real engines run on CPU: vLLM's CPU attention rejects head_dim 16, so head_dim is
 32 (hidden 64, 2 heads); vLLM's CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), and its CUDA
@@ -51,6 +52,16 @@ FAMILIES: dict[str, tuple[str, dict, str | None, str]] = {
     "deepseek_v3": ("DeepseekV3Config", dict(_MLA), None, "yarn"),
     "kimi_k2": ("DeepseekV3Config", dict(_MLA), "kimi_k2", "yarn"),
     "qwen2-yarn": ("Qwen2Config", dict(rope_parameters=YARN_ROPE), None, "yarn"),
+    # phi3, granite, olmo2: no rule names them, each engine's capture table decides (contract/capture_support.py)
+    "phi3": ("Phi3Config", dict(), None, "default"),  # fused qkv_proj / gate_up_proj; both engines subclass Llama
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03,
+                                      logits_scaling=8.0), None, "default"),  # multipliers ≠ 1: h[k] scaled
+    "olmo2": ("Olmo2Config", dict(), None, "default"),  # post-norm branches; vLLM runs it in its Transformers backend
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         decoder_sparse_step=1), None, "default"),
+    # gemma3: refused by both serving engines' rules (and by eaglepipe: one RoPE per layer type)
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
+                                        layer_types=["sliding_attention"] * 5 + ["full_attention"]), None, "default"),
 }
 
 
