@@ -2,16 +2,18 @@
 
     python3 lab/save_best_so_far.py data/drafter DEST     # prints: INTERIM {"epochs_ended": ..., ...}
 
-For a device machine about to be taken back mid-training (``suite.sh ckpt-keep``): the newest checkpoint
-``<scratch>/<run key>/last.pt`` under the train_drafter stage's scratch folder (eaglepipe.stage.scratch_dir_of
-of its output, e.g. data/.scratch/drafter) is read (train_drafter writes it atomically, so reading it beside a
-running training is safe), and its best epoch's weights are written to DEST as train_drafter writes a draft
-(config.json + model.safetensors, eaglepipe.model.draft.save_draft), config.json holding ``interim``: the
-epochs ended, of how many, the optimizer step, the best epoch and its τ_sim.
+For a device machine about to be taken back mid-training (``suite.sh ckpt-keep``): the newest checkpoint of
+the newest run folder ``<scratch>/<run key>/`` under the train_drafter stage's scratch folder
+(eaglepipe.stage.scratch_dir_of of its output, e.g. data/.scratch/drafter) is read (train_drafter writes each
+file atomically and keeps the last complete save, so reading beside a running training is safe), and its best
+epoch's weights are written to DEST as train_drafter writes a draft (config.json + model.safetensors,
+eaglepipe.model.draft.save_draft), config.json holding ``interim``: the epochs ended, of how many, the optimizer
+step, the best epoch and its τ_sim.
 
-The checkpoint is read as train_drafter writes it: ``{"state": the loop's State (epoch, step, best_epoch,
-best_tau, best_state), "draft": {"config": DraftConfig fields, "extra": config.json's other entries, "epochs"},
-...}``. Unpickling the State needs the eaglepipe that wrote it on the path (run it in that checkout).
+The checkpoint is read as data (safetensors + JSON, nothing unpickled) by
+eaglepipe.train.checkpoint.read_checkpoint, FSDP2's per-rank shards joined: ``{"state": the loop's State (epoch,
+step, best_epoch, best_tau, best_state), "draft": {"config": DraftConfig fields, "extra": config.json's other
+entries, "epochs"}, ...}``. Run it in the checkout that trained (its eaglepipe reads the format it wrote).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-CKPT = "last.pt"
+CKPT = "ckpt-*.safetensors"  # eaglepipe.train.checkpoint.ckpt_file
 
 
 def save_best_so_far(scratch_dir: str | Path, out_dir: str | Path) -> dict:
@@ -29,18 +31,18 @@ def save_best_so_far(scratch_dir: str | Path, out_dir: str | Path) -> dict:
 
     Returns {"epochs_ended", "epochs", "step", "best_epoch", "best_tau_sim"} (also written as config.json's
     ``interim``). Raises EaglepipeError: no checkpoint under scratch_dir, or none with an evaluated epoch."""
-    import torch
-
     from eaglepipe.errors import EaglepipeError
     from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
+    from eaglepipe.train.checkpoint import read_checkpoint
 
     ckpts = sorted(Path(scratch_dir).glob(f"*/{CKPT}"), key=lambda f: f.stat().st_mtime)
     if not ckpts:
         raise EaglepipeError(f"no training checkpoint under {scratch_dir} (train_drafter writes <run key>/{CKPT})")
-    ck = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
+    run = ckpts[-1].parent
+    ck = read_checkpoint(run)
     st, meta = ck["state"], ck.get("draft")
-    if meta is None or getattr(st, "best_state", None) is None:
-        raise EaglepipeError(f"{ckpts[-1]}: no epoch has ended yet, so no evaluated weights to keep; wait for the "
+    if meta is None or st.best_state is None:
+        raise EaglepipeError(f"{run}: no epoch has ended yet, so no evaluated weights to keep; wait for the "
                              "first epoch's eval line")
     draft = Eagle3Draft(DraftConfig(**meta["config"]))
     draft.load_state_dict(st.best_state)

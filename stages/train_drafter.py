@@ -3,9 +3,10 @@
 Usage: python stages/train_drafter.py FEATURES_DIR TARGET_DIR OUT_DIR METRICS_JSON REPORT_JSON LIVE_DIR
 Reads params `layers`, `train`; writes OUT_DIR (config.json + model.safetensors with fc / midlayer / norm /
 lm_head / d2t / t2d, see eaglepipe/model/draft.py), REPORT_JSON (the whole summary), METRICS_JSON (best τ_sim,
-its epoch and acceptance per TTT step, tokens/s) and the dvclive curves in LIVE_DIR. Several
-processes: `torchrun --nproc_per_node N stages/train_drafter.py ...`. Killed and restarted with the same params
-and features, it resumes from its last checkpoint (scratch under data/.scratch/).
+its epoch and acceptance per TTT step, tokens/s) and the dvclive curves in LIVE_DIR. With train.nproc_per_node
+N > 1 it runs itself again as N torchrun ranks (`torchrun --standalone --nproc_per_node N` with the same
+arguments; DDP or FSDP2 by train.parallel) and exits with their code; rank 0 writes the outputs. Killed and
+restarted with the same params and features, it resumes from its last checkpoint (scratch under data/.scratch/).
 """
 
 import os
@@ -14,11 +15,15 @@ from pathlib import Path
 
 from eaglepipe.data.features import FeatureSet
 from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
+from eaglepipe.train.distributed import launch_ranks
 from eaglepipe.train.loop import train_drafter
 
 
 def main():
     p = start("train_drafter")
+    code = launch_ranks(p.train.nproc_per_node)
+    if code is not None:
+        raise SystemExit(code)
     features, target_dir, out_dir, metrics, report, live_dir = map(Path, sys.argv[1:7])
     FeatureSet(features).require_layers(p.layers)
     summary = train_drafter(features, target_dir, out_dir, p.train, scratch_dir=scratch_dir_of(out_dir),

@@ -181,7 +181,7 @@ def test_online_run_resumes_onto_the_same_curve(stores, peaked_target, tmp_path)
     p = _params()
     full = train_drafter(stores["tokens"], peaked_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa")
     part = train_drafter(stores["tokens"], peaked_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb", stop_after=4)
-    assert part["stopped_at"] == 4 and len(list((tmp_path / "sb").glob("*/last.pt"))) == 1
+    assert part["stopped_at"] == 4 and len(list((tmp_path / "sb").glob("*/ckpt-*.safetensors"))) == 1
     resumed = train_drafter(stores["tokens"], peaked_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb")
     assert resumed["resumed_from_step"] == 4
     assert resumed["losses"] == full["losses"] and resumed["evals"] == full["evals"]

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from eaglepipe.data.features import FeatureSample, ShardWriter
 from eaglepipe.params import TrainParams
+from eaglepipe.train.checkpoint import read_checkpoint
 from eaglepipe.train.loop import train_drafter
 from eaglepipe.train.packing import pack, pack_by_length, padding_fraction, split_samples
 from eaglepipe.train.step import lr_factor
@@ -105,7 +106,7 @@ def test_train_learns_and_writes_the_draft(features, tiny_target, tmp_path):
     assert w["fc.weight"].shape == (32, 96) and w["lm_head.weight"].shape == (64, 32) and w["t2d"].sum() == 64
     assert (w["d2t"] + torch.arange(64)).tolist() == w["t2d"].nonzero().flatten().tolist()
     assert json.loads((out / "config.json").read_text())["layers"] == LAYERS
-    assert (tmp_path / "live" / "metrics.json").exists() and not list((tmp_path / "scratch").glob("*/last.pt"))
+    assert (tmp_path / "live" / "metrics.json").exists() and not list((tmp_path / "scratch").glob("*/ckpt-*"))
     plots = {p.name for p in (tmp_path / "live" / "plots" / "metrics" / "train").iterdir()}
     assert {"loss.tsv", "acc_step0.tsv", "acc_step2.tsv", "lr.tsv"} <= plots
 
@@ -115,7 +116,7 @@ def test_stopped_run_resumes_onto_the_same_curve(features, tiny_target, tmp_path
     p = _params(epochs=2)
     full = train_drafter(features, tiny_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa")
     part = train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb", stop_after=stop)
-    assert part["stopped_at"] == stop and len(list((tmp_path / "sb").glob("*/last.pt"))) == 1
+    assert part["stopped_at"] == stop and len(list((tmp_path / "sb").glob("*/ckpt-*.safetensors"))) == 1
     resumed = train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb")
     assert resumed["resumed_from_step"] == stop and full["resumed_from_step"] == 0
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]), rtol=0, atol=0)
@@ -123,6 +124,7 @@ def test_stopped_run_resumes_onto_the_same_curve(features, tiny_target, tmp_path
     wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0)
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
 
 
 DDP_SCRIPT = textwrap.dedent("""
@@ -162,15 +164,26 @@ def test_two_gloo_ranks_equal_one_process_with_grad_accum_2(features, tiny_targe
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
 
 
-def _run_stage(features, tiny_target, tmp_path):
-    """stages/train_drafter.py on ``features`` with a one-epoch tiny params.yaml in ``tmp_path``."""
+def _stage_params(tmp_path, **train) -> TrainParams:
+    """Write a one-epoch tiny params.yaml in ``tmp_path`` (``train`` overrides its train section); its train
+    params, validated as the stage reads them."""
+    from eaglepipe.params import load_params
+
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["layers"] = LAYERS
-    params["train"].update(draft_vocab_size=64, epochs=1, batch_tokens=64, warmup_steps=1)
+    params["train"].update({"draft_vocab_size": 64, "epochs": 1, "batch_tokens": 64, "warmup_steps": 1, **train})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    return load_params(tmp_path / "params.yaml").train
+
+
+def _run_stage(features, tiny_target, tmp_path, **train):
+    """stages/train_drafter.py on ``features`` with :func:`_stage_params`'s params.yaml in ``tmp_path`` (its cwd;
+    outputs under data/, metrics/, reports/, dvclive/ there)."""
+    _stage_params(tmp_path, **train)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, str(REPO / "stages" / "train_drafter.py"), str(features), str(tiny_target),
                            "data/drafter", "metrics/train_drafter.json", "reports/train.json", "dvclive/train_drafter"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_stage_script(features, tiny_target, tmp_path):
@@ -282,9 +295,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(features, tiny
     with pytest.raises(TrainingError, match="non-finite training loss") as e:
         train_drafter(bad, tiny_target, tmp_path / "d", p, scratch_dir=tmp_path / "s")
     assert f"at optimizer step {step}, epoch 0" in str(e.value) and repr(victim) in str(e.value)
-    (ckpt,) = (tmp_path / "s").glob("*/last.pt")
+    (ckpt,) = (tmp_path / "s").glob("*/ckpt-*.safetensors")
     assert f"the last good checkpoint {ckpt} is kept" in str(e.value)
-    ck = torch.load(ckpt, weights_only=False)
+    ck = read_checkpoint(ckpt.parent)
     assert ck["state"].step == step - 1
     assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
     assert not (tmp_path / "d").exists()

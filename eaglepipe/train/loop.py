@@ -6,15 +6,18 @@ Set-up (:class:`Trainer`'s constructor; steps 1–4 are eaglepipe/train/prepare.
  2. the draft's config and vocabulary (the train split's predicted tokens);
  3. the draft, seeded, its lm_head the target's lm_head rows of the draft vocabulary;
  4. 1 byte a token: whether the target's top-1 is in the draft vocabulary (online: the target's capture);
- 5. the draft step (TTT unroll, DDP-wrapped under torchrun) and AdamW with warmup + cosine (step.py);
- 6. resume from ``<scratch>/<run key>/last.pt`` when a killed run with the same key left one (checkpoint.py).
+ 5. the draft step (TTT unroll; under torchrun DDP-wrapped or FSDP2-sharded, train.parallel) and AdamW with
+    warmup + cosine (step.py);
+ 6. resume from the newest checkpoint in ``<scratch>/<run key>/`` when a killed run with the same key left one
+    (checkpoint.py: safetensors + JSON, one file a rank with FSDP2).
 The loop, epoch by epoch:
  7. :meth:`Trainer.run_epoch`: the (seed, epoch) rows (packing.py), rank r takes micro-batches r::world
     (distributed.py), an optimizer step every grad_accum micro-batches (:meth:`Trainer.optimizer_step`), a
     checkpoint every checkpoint_every steps;
  8. :meth:`Trainer.end_epoch`: evaluate the held-out samples (evaluation.py), keep the weights with the best
     τ_sim (not the best loss);
- 9. write the best draft (eaglepipe.model.draft.save_draft) and return :meth:`Trainer.summary`.
+ 9. write the best draft (eaglepipe.model.draft.save_draft; FSDP2: gathered whole, written by rank 0) and return
+    :meth:`Trainer.summary`.
 
 Bad data never becomes a draft: a sample with non-finite features stops training naming it and its shard
 (stream.py); a non-finite loss or gradient norm stops before the optimizer step, naming the step's samples,
@@ -33,13 +36,13 @@ import torch
 
 from eaglepipe.data.features import FeatureSet, SampleRef
 from eaglepipe.errors import TrainingError
-from eaglepipe.model.draft import n_params, save_draft
+from eaglepipe.model.draft import Eagle3Draft, n_params, save_draft
 from eaglepipe.model.target_head import load_target_head
 from eaglepipe.params import TrainParams
 from eaglepipe.target.config import read_target_config
 from eaglepipe.train.checkpoint import Checkpoint, checkpoint_key
 from eaglepipe.train.curves import Curves, StepStats, compile_stats
-from eaglepipe.train.distributed import Dist, barrier, init_distributed, pick_device
+from eaglepipe.train.distributed import Dist, barrier, full, init_distributed, like, local, pick_device
 from eaglepipe.train.evaluation import evaluate
 from eaglepipe.train.packing import epoch_rows, padding_fraction, steps_per_epoch, total_steps
 from eaglepipe.train.prepare import draft_config, draft_vocab, index_features, init_draft, online_capture, top1_in_vocab
@@ -62,13 +65,14 @@ def train_drafter(
     """Train, keep the best epoch by τ_sim, write ``out_dir`` (draft.save_draft), return the summary dict
     (:meth:`Trainer.summary` + ``losses``, the train loss of every optimizer step).
 
-    scratch_dir: where ``<run key>/last.pt`` lives (outside DVC outs, so a killed run resumes).
+    scratch_dir: where the ``<run key>/`` checkpoint folder lives (outside DVC outs, so a killed run resumes).
     live_dir: dvclive folder (None: no dvclive).
     stop_after: stop (as if killed) right after the checkpoint of this optimizer step (tests); returns
     ``{"stopped_at", "losses"}``.
     Raises TrainingError (non-finite features or loss: the checkpoint of the last good step is kept; a sample
-    longer than train.batch_tokens), FeatureStoreError (a damaged shard, a store of the other kind),
-    CaptureMismatch, EaglepipeError (features of another target, < 2 samples, no full step per epoch).
+    longer than train.batch_tokens; a checkpoint file that is not one, or does not fit this run, named),
+    FeatureStoreError (a damaged shard, a store of the other kind), CaptureMismatch, EaglepipeError (features of
+    another target, < 2 samples, no full step per epoch).
     """
     d = init_distributed()
     trainer = Trainer(Path(features_dir), Path(target_dir), p, d, pick_device(d), Path(scratch_dir), live_dir)
@@ -80,8 +84,7 @@ def train_drafter(
             return {"stopped_at": st.step, "losses": st.losses}
         trainer.end_epoch()
     summary = trainer.summary()
-    if d.main:
-        trainer.write_best(out_dir)
+    trainer.write_best(out_dir)
     barrier(d)
     summary["losses"] = st.losses
     return summary
@@ -115,7 +118,7 @@ class Trainer:
                       "samples": {"train": len(train), "eval": len(held)}}  # the summary's fixed part
         key = checkpoint_key(p, fs.manifest, len(fs), target_cfg, d.world)
         self.ckpt = Checkpoint(scratch_dir, key, d, meta={"config": cfg.to_dict(), "extra": self.extra,
-                                                          "epochs": p.epochs})
+                                                          "epochs": p.epochs}, sharded=self.draft_step.sharded)
         self.st = self.ckpt.load(self.draft, self.opt, self.sched)  # 6
         self.resumed_from = self.st.step
         self.curves = Curves(live_dir, self.st.curves, d.main)
@@ -154,7 +157,7 @@ class Trainer:
     def optimizer_step(self, stats: StepStats, rows: list[list[SampleRef]]) -> None:
         """Reduce the step's stats, refuse a non-finite loss or gradient, clip, step, schedule, log a curve row."""
         stats.reduce(self.d.world)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.p.grad_clip))
+        grad_norm = float(full(torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.p.grad_clip)))
         loss = float(stats.loss)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise self.non_finite(rows, loss, grad_norm)
@@ -178,7 +181,7 @@ class Trainer:
         self.curves.log(st.step, row)
         if ev["tau_sim"] > st.best_tau:
             st.best_tau, st.best_epoch, st.best_acc = ev["tau_sim"], st.epoch, ev["acc"]
-            st.best_state = {k: v.detach().cpu().clone() for k, v in self.draft.state_dict().items()}
+            st.best_state = {k: local(v).detach().cpu().clone() for k, v in self.draft.state_dict().items()}
         st.epoch, st.micro = st.epoch + 1, 0
         self.save()
 
@@ -186,11 +189,20 @@ class Trainer:
         self.ckpt.save(self.draft, self.opt, self.sched, self.st)
 
     def write_best(self, out_dir: Path) -> None:
-        """9 (rank 0): the best epoch's weights to ``out_dir`` (config.json + model.safetensors), the curves
-        closed, the scratch folder removed."""
-        self.draft.load_state_dict(self.st.best_state)
-        save_draft(self.draft, Path(out_dir), extra={**self.extra, "best_tau_sim": self.st.best_tau,
-                                                     "best_epoch": self.st.best_epoch})
+        """9 (every rank calls it; rank 0 writes): the best epoch's weights to ``out_dir`` (config.json +
+        model.safetensors), the curves closed, the scratch folder removed. FSDP2: the shards are gathered into
+        a whole draft first (an all-gather per tensor), written as one process writes it."""
+        live = self.draft.state_dict()
+        self.draft.load_state_dict({k: like(v, live[k]) for k, v in self.st.best_state.items()})
+        whole = {k: full(v) for k, v in self.draft.state_dict().items()}  # FSDP2: all-gathers, on every rank
+        if not self.d.main:
+            return
+        draft = self.draft
+        if self.draft_step.sharded:
+            draft = Eagle3Draft(self.draft.cfg)
+            draft.load_state_dict(whole)
+        save_draft(draft, Path(out_dir), extra={**self.extra, "best_tau_sim": self.st.best_tau,
+                                                "best_epoch": self.st.best_epoch})
         self.curves.end(self.st.best_tau)
         self.ckpt.remove()
 
@@ -204,7 +216,7 @@ class Trainer:
     def non_finite(self, rows: list[list[SampleRef]], loss: float, grad_norm: float) -> TrainingError:
         names = ", ".join(f"{r.id!r} ({r.shard})" for row in rows for r in row)
         path = self.ckpt.path
-        kept = f"the last good checkpoint {path} is kept" if path.exists() else "no checkpoint was written yet"
+        kept = f"the last good checkpoint {path} is kept" if path else "no checkpoint was written yet"
         return TrainingError(
             f"non-finite training loss {loss} (grad norm {grad_norm}) at optimizer step {self.st.step + 1}, epoch "
             f"{self.st.epoch}, rank {self.d.rank}; its micro-batches held samples {names} (their features are "

@@ -10,7 +10,7 @@ target's h[N] (eaglepipe/model/target_head.py), then the TTT unroll (eaglepipe/t
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from eaglepipe.model.draft import Eagle3Draft
 from eaglepipe.model.target_head import soft_targets
 from eaglepipe.params import TrainParams
-from eaglepipe.train.distributed import autocast_for
+from eaglepipe.train.distributed import autocast_for, shard
 from eaglepipe.train.ttt import Batch, TTTResult, TTTUnroll, compile_draft, pad_batch, padded_length
 
 
@@ -26,9 +26,11 @@ class DraftStep:
     """The draft under training and its forward on one packed batch (B = 1).
 
     ``head``: the target's head cut to the draft vocabulary's rows (``TargetHead.draft_rows``), on ``device``.
-    ``unroll``: draft + the target's frozen embeddings (:class:`TTTUnroll`); ``model``: the same, DDP-wrapped
-    when ``world`` > 1 (what training calls, so gradients are all-reduced); evaluation calls ``unroll``.
-    With ``train.fast`` the draft's layers are compiled (:func:`compile_draft`).
+    ``unroll``: draft + the target's frozen embeddings (:class:`TTTUnroll`); ``model``: what training calls.
+    With ``world`` > 1 (eaglepipe/train/distributed.py): ``train.parallel`` ddp wraps ``unroll`` in DDP as
+    ``model`` (gradients all-reduced) and evaluation calls the bare ``unroll``; fsdp shards ``unroll`` in place
+    (FSDP2), so ``model`` is ``unroll`` and both gather the weights on every call (every rank evaluates the
+    same rows). With ``train.fast`` the draft's layers are compiled first (:func:`compile_draft`).
     """
 
     def __init__(self, draft: Eagle3Draft, head, p: TrainParams, device: torch.device, world: int):
@@ -37,8 +39,12 @@ class DraftStep:
         self.unroll = TTTUnroll(draft, head.embed, p.ttt_steps, p.step_decay, fast=p.fast).to(device)
         if p.fast:
             compile_draft(draft)
+        self.sharded = world > 1 and p.parallel == "fsdp"
         ids = [device.index] if device.type == "cuda" else None
-        self.model = DDP(self.unroll, device_ids=ids, broadcast_buffers=False) if world > 1 else self.unroll
+        if self.sharded:
+            shard(self.unroll, device, world)
+        use_ddp = world > 1 and not self.sharded
+        self.model = DDP(self.unroll, device_ids=ids, broadcast_buffers=False) if use_ddp else self.unroll
 
     def training(self, b: Batch) -> TTTResult:
         """The training forward: soft targets in ``train.teacher_precision``, the DDP-wrapped unroll."""
@@ -57,8 +63,20 @@ class DraftStep:
             return module(b, soft)
 
     def no_sync(self):
-        """DDP's no_sync (a micro-batch that is not the step's last: gradients accumulate locally)."""
-        return self.model.no_sync() if isinstance(self.model, DDP) else nullcontext()
+        """For a micro-batch that is not the step's last: gradients accumulate on each rank, unreduced (DDP's
+        no_sync; FSDP2's set_requires_gradient_sync(False), unsharded until the step's last micro-batch)."""
+        if isinstance(self.model, DDP):
+            return self.model.no_sync()
+        return _no_gradient_sync(self.unroll) if self.sharded else nullcontext()
+
+
+@contextmanager
+def _no_gradient_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:

@@ -70,6 +70,7 @@ def _params():
 def test_the_best_epoch_so_far_is_kept_and_returned_by_ckpt_keep(target_and_features, tmp_path):
     from eaglepipe.errors import EaglepipeError
     from eaglepipe.model.draft import load_draft
+    from eaglepipe.train.checkpoint import read_checkpoint
     from eaglepipe.train.loop import train_drafter
 
     target, features = target_and_features
@@ -82,7 +83,7 @@ def test_the_best_epoch_so_far_is_kept_and_returned_by_ckpt_keep(target_and_feat
     train_drafter(features, target, tmp_path / "run/data/drafter", _params(), scratch_dir=scratch, stop_after=7)
     info = save_best_so_far(scratch, tmp_path / "interim")
     assert info["epochs_ended"] == 1 and info["epochs"] == 2 and info["step"] == 7 and info["best_epoch"] == 0
-    ck = torch.load(next(scratch.glob("*/last.pt")), map_location="cpu", weights_only=False)
+    ck = read_checkpoint(next(scratch.glob("*/ckpt-*.safetensors")).parent)
     draft = load_draft(tmp_path / "interim")
     for k, v in ck["state"].best_state.items():
         torch.testing.assert_close(draft.state_dict()[k], v, rtol=0, atol=0)
