@@ -13,7 +13,8 @@ With ``extract.store: tokens`` (online training) step 3 runs only for the shards
 ``gate_samples`` conversations (the whole shard is captured, so their features are bit-equal to a features
 store's), only those keep features, and each shard also stores the (regenerated) conversations; see
 eaglepipe/data/features.py.
-The engine starts only if some shard is missing, so a finished run restarted does no work.
+The engine starts only if some shard is missing, so a finished run restarted does no work. Shards spread over
+processes by ``extract.workers`` (here) or over torchrun ranks on GPUs and hosts (data/distributed_extract.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from eaglepipe.contract import convention
+from eaglepipe.data.distributed_extract import ALONE, Replica, agree, gather_to_rank0
 from eaglepipe.data.features import FeatureSample, ShardWriter, non_finite, run_key, store_capture
 from eaglepipe.data.prompts import is_synthetic
 from eaglepipe.data.template import generation_prompt, tokenize_conversation, user_prompt
@@ -138,8 +140,10 @@ def quarantine(samples: list[FeatureSample]) -> tuple[list[FeatureSample], list[
 
 
 # ExtractParams fields that change how the shards are made, not what they hold: plan_key ignores them; the
-# manifest header ignores workers (batch_size has always been recorded there, and stays, so its bytes do not move).
-_NOT_IN_SHARDS = {"batch_size", "workers"}
+# manifest header ignores the layout over processes (batch_size has always been recorded there, and stays, so its
+# bytes do not move).
+_LAYOUT = {"workers", "nproc_per_node"}
+_NOT_IN_SHARDS = {"batch_size", *_LAYOUT}
 
 
 def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str,
@@ -160,37 +164,59 @@ def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str,
 def extract(
     convs: list[dict], target_dir: Path, info: TargetInfo, layers: list[int], p: ExtractParams,
     out_dir: Path, scratch: Path, prompts_hash: str, gate_samples: int = 0, tensor_parallel_size: int = 1,
-) -> tuple[dict, ExtractStats]:
+    replica: Replica = ALONE,
+) -> tuple[dict, ExtractStats] | None:
     """Run steps 1–4 over ``convs`` and write ``out_dir`` (shards + manifest.json).
 
     gate_samples: with ``p.store == "tokens"``, how many leading conversations keep their features (what
     validate_offsets reads: ``validate.samples``); ignored for a features store.
     tensor_parallel_size: the vllm / sglang engine's (params ``tensor_parallel_size``; recorded when > 1).
+    replica: this process's rank under torchrun (:mod:`eaglepipe.data.distributed_extract`): it extracts shard i
+    for i mod world == rank, and rank 0, once every rank is done, writes ``out_dir`` and returns; the other ranks
+    return None. The same bytes as one process for any layout.
     The engine starts at the first missing shard and is closed when this returns or raises.
     Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
     """
     gate_samples = gate_samples if p.store == "tokens" else 0
     key = plan_key(info, layers, p, p.engine, prompts_hash, gate_samples, tensor_parallel_size)
+    agree(replica, "run key", key)  # before the writer, which clears scratch folders of other keys
     writer = ShardWriter(out_dir, scratch, key, p.shard_size)
     chunks = [convs[i : i + p.shard_size] for i in range(0, len(convs), p.shard_size)]
-    todo = [i for i in range(len(chunks)) if not writer.done(i)]
-    resumed = len(chunks) - len(todo)
+    mine = replica.shards(len(chunks))  # every shard when alone
+    todo = [i for i in mine if not writer.done(i)]
+    resumed = len(mine) - len(todo)
     if resumed:
-        log.info("resuming: %d of %d shards already written (key %s)", resumed, len(chunks), key)
+        log.info("resuming: %d of %d shards already written (key %s)%s", resumed, len(mine), key, replica.label)
     ids = convention.engine_ids(p.engine, info.family, layers + [info.n_layers], info.n_layers)
     timing = _Timing(time.perf_counter())
     work = _ShardWork(target_dir, info, ids, p, writer, gate_samples, tensor_parallel_size=tensor_parallel_size)
-    with tqdm(total=len(convs), initial=len(convs) - sum(len(chunks[i]) for i in todo), unit="sample") as bar:
+    total, left = sum(len(chunks[i]) for i in mine), sum(len(chunks[i]) for i in todo)
+    with tqdm(total=total, initial=total - left, unit="sample", desc=replica.label.strip(" ()") or None) as bar:
         if p.workers > 1 and len(todo) > 1:
             _in_workers(work, {i: chunks[i] for i in todo}, timing, bar)
         else:
             work.run({i: chunks[i] for i in todo}, timing, bar)
+    parts = gather_to_rank0(replica, (timing, resumed))  # rank 0 waits here for every rank
+    if parts is None:
+        return None
+    for other, other_resumed in parts[1:]:
+        timing.absorb(other)
+        resumed += other_resumed
+    manifest = writer.finish(_header(p, info, layers, ids, timing, prompts_hash, gate_samples, tensor_parallel_size),
+                             len(chunks))
+    n_synthetic = sum(is_synthetic(c["id"]) for c in convs)
+    return manifest, _stats(manifest, out_dir, timing, resumed, n_synthetic)
+
+
+def _header(p: ExtractParams, info: TargetInfo, layers: list[int], ids: list[int], timing: _Timing,
+            prompts_hash: str, gate_samples: int, tensor_parallel_size: int) -> dict:
+    """The manifest's header: what made the features (never how the work was laid out over processes)."""
     header = {
         "engine": p.engine, "engine_version": timing.version or engine_version(p.engine), "layers": layers,
         "dtype": p.dtype,
         "target": {"hash": info.content_hash, "n_layers": info.n_layers, "hidden_size": info.hidden_size,
                    "vocab_size": info.vocab_size, "model_type": info.model_type, "family": info.family},
-        "capture_ids": ids, "regenerate": p.model_dump(exclude={"workers"}) if p.regenerate else None,
+        "capture_ids": ids, "regenerate": p.model_dump(exclude=_LAYOUT) if p.regenerate else None,
         "prompts_hash": prompts_hash,
         "store": p.store,
         **({"quantization": p.quantization} if p.quantization else {}),  # the extracting engine's (ExtractParams)
@@ -198,9 +224,7 @@ def extract(
     }
     if p.store == "tokens":  # what train_drafter's online capture needs to compute what this would have stored
         header.update(gate_samples=gate_samples, engine_dtype=p.engine_dtype)
-    manifest = writer.finish(header, len(chunks))
-    n_synthetic = sum(is_synthetic(c["id"]) for c in convs)
-    return manifest, _stats(manifest, out_dir, timing, resumed, n_synthetic)
+    return header
 
 
 @dataclass
@@ -212,6 +236,12 @@ class _Timing:
     generate: float = 0.0
     tokens: int = 0
     version: str | None = None
+
+    def absorb(self, other: _Timing) -> None:
+        """Count another process's work in: the slowest one's seconds (the wall waited), every one's tokens."""
+        self.capture, self.generate = max(self.capture, other.capture), max(self.generate, other.generate)
+        self.tokens += other.tokens
+        self.version = self.version or other.version
 
 
 class _Engines:
@@ -350,10 +380,7 @@ def _in_workers(work: _ShardWork, chunks: dict[int, list[dict]], timing: _Timing
                 errors.append(f.exception())
                 stop.set()
                 continue
-            t = f.result()
-            timing.capture, timing.generate = max(timing.capture, t.capture), max(timing.generate, t.generate)
-            timing.tokens += t.tokens
-            timing.version = timing.version or t.version
+            timing.absorb(f.result())
             bar.update(sum(len(c) for c in futures[f].values()))
     if errors:
         raise errors[0]

@@ -161,15 +161,11 @@ def non_finite(sample: "FeatureSample") -> dict | None:
 
 
 class ShardWriter:
-    """Writes samples into shards of ``shard_size`` samples; resumable by ``key``.
+    """Writes samples into shards of ``shard_size`` samples; resumable by ``key``. Processes sharing the scratch
+    folder (extract's ranks) may each write their own shards of one key; one of them then calls :meth:`finish`.
 
-    Usage::
-
-        w = ShardWriter(out_dir, scratch_root, key, shard_size)
-        for i, chunk in enumerate(chunks):
-            if w.done(i): continue
-            w.write(i, [FeatureSample, ...])
-        w.finish(manifest_header)
+    Usage: ``w = ShardWriter(out_dir, scratch_root, key, shard_size)``; ``w.write(i, [FeatureSample, ...])`` for
+    each shard i that is not ``w.done(i)``; ``w.finish(manifest_header, n_shards)``.
     """
 
     def __init__(self, out_dir: Path, scratch_root: Path, key: str, shard_size: int):
@@ -184,12 +180,17 @@ class ShardWriter:
         self.scratch.mkdir(parents=True, exist_ok=True)
 
     def done(self, i: int) -> bool:
-        """True when shard i was finished by this or an earlier (killed) run with the same key."""
+        """True when shard i was finished by this or an earlier (killed) run with the same key. A killed writer
+        leaves at most ``<shard>.tmp``; a shard file safetensors cannot parse (a crashed host's) is redone."""
         path = self.scratch / _shard_name(i)
         if not path.exists():
             return False
-        with safe_open(path, "pt") as f:
-            return (f.metadata() or {}).get("run_key") == self.key
+        try:
+            with safe_open(path, "pt") as f:
+                return (f.metadata() or {}).get("run_key") == self.key
+        except SafetensorError as e:
+            log.warning("%s is damaged (%s); extracting it again", path, e)
+            return False
 
     def write(self, i: int, samples: list[FeatureSample], quarantined: list[dict] | None = None,
               messages: list | None = None) -> None:
