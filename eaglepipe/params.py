@@ -89,6 +89,11 @@ class ExtractParams(_Strict):
                          "engine instances (shard i goes to worker i mod workers); the shards are the same bytes "
                          "for any count. For a GPU whose small target decodes at the speed of vLLM's per-step CPU "
                          "work; 1 = in the stage's own process")
+    nproc_per_node: int = Field(1, ge=1, description="engine replicas extracting side by side on this host, each "
+                                "on its own tensor_parallel_size GPUs (so nproc_per_node × tensor_parallel_size ≤ "
+                                "the host's GPUs; on a CPU, each on its share of the cores); > 1 re-launches the "
+                                "stage under `torchrun --standalone` (shard i goes to rank i mod ranks; the same "
+                                "shard bytes for any count). Several hosts: docs/cluster.md")
     store: Literal["features", "tokens"] = Field(
         "features", description="features: shards hold h[k] and h[N] per token (offline training); tokens: token "
         "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "
@@ -97,6 +102,15 @@ class ExtractParams(_Strict):
     quantization: str | None = Field(None, description="the engine's own quantization method (e.g. 'fp8' on "
                                      "vllm/sglang; eaglepipe/target/quantization.py): extract with the quantized "
                                      "serving engine itself, so the features carry its numerics")
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _replicas_or_workers(cls, v: int, info: ValidationInfo) -> int:
+        workers = info.data.get("workers", 1)
+        if v > 1 and workers > 1:
+            raise ValueError(f"with extract.workers = {workers}: the torchrun ranks are the replicas and do not "
+                             "spawn workers; set one of them to 1")
+        return v
 
 
 
@@ -167,6 +181,15 @@ class TrainParams(_Strict):
                                   "compiled for the capture (engines.hf.compile_layers). false: the eager capture "
                                   "(then capture_stream applies); same features either way, so a run resumes "
                                   "across it")
+    nproc_per_node: int = Field(1, ge=1, description="training processes on this host: above 1 the train_drafter "
+                                "stage runs itself again under torchrun (torch.distributed.run --standalone), one "
+                                "rank per GPU on CUDA (nccl), processes on the CPU (gloo). Each rank takes every "
+                                "nproc_per_node-th micro-batch, so the global batch is nproc_per_node × grad_accum "
+                                "rows: lower grad_accum to keep a one-process run's batch")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="how several ranks share the draft: ddp (each rank a whole copy, gradients all-reduced) "
+        "or fsdp (FSDP2 fully_shard: weights, gradients and AdamW state sharded over the ranks, checkpoints one "
+        "file a rank; the written draft is the same whole draft). Same loss either way; no effect with one process")
 
 
 class ServeParams(_Strict):
