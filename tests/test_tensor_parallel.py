@@ -7,6 +7,7 @@ layer would show as a cosine far below 1.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -73,7 +74,8 @@ def test_the_hf_engine_refuses_tensor_parallelism(target):
 @needs_two_cores
 @pytest.mark.vllm
 def test_dvc_repro_at_tp2_on_vllm_serves_what_the_reference_decoder_accepts(tmp_path):
-    """The whole pipeline on a tiny target with vLLM at TP 2 in extract, validate_offsets and serve_eval."""
+    """The whole pipeline on a tiny target with vLLM at TP 2 in extract, validate_offsets and serve_eval; then
+    the gate again through SGLang at TP 2 on the same features."""
     import json
 
     import yaml
@@ -104,3 +106,12 @@ def test_dvc_repro_at_tp2_on_vllm_serves_what_the_reference_decoder_accepts(tmp_
     assert served["vllm"]["tau"] == served["reference"]["tau"] > 1.05, served
     assert served["vllm"]["acc"] == served["reference"]["acc"]
     assert served["vllm"]["outputs_equal"]
+    if importlib.util.find_spec("sglang") is None:
+        return
+    params["framework"] = "sglang"  # the same features gated through SGLang at TP 2: only the gate reruns
+    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    r = dvc(cwd, "repro", "validate_offsets")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Running stage 'extract'" not in r.stdout, r.stdout
+    offsets = json.loads((cwd / "metrics/offsets.json").read_text())
+    assert offsets["engine"] == "sglang" and offsets["verdict"] == "ok", offsets

@@ -1,0 +1,1 @@
+"""What is trained on: prompts, the chat template and loss mask, extraction, the feature store."""

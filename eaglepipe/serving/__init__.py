@@ -1,0 +1,1 @@
+"""Serving: which engines can serve a layer list, the export folders, the reference decoder and τ."""

@@ -1,0 +1,1 @@
+"""The target model: its config, data/target/ and TargetInfo, quantization, capture checks, tiny targets."""
