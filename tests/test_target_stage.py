@@ -48,14 +48,15 @@ def _sparse_safetensors(path: Path, name: str, numel: int) -> None:
 
 def test_a_folder_larger_than_memory_passes_without_loading_its_weights(tmp_path):
     src = build("llama", tmp_path / "src")
-    _sparse_safetensors(src / "model-00002-of-00002.safetensors", "lm_extra.weight", GIB)  # 4 GiB shard
+    _sparse_safetensors(src / "model-00002-of-00002.safetensors", "lm_extra.weight", 2 * GIB)  # 8 GiB shard
     (src / "original").mkdir()
     (src / "original" / "consolidated.00.pth").write_bytes(b"\0" * 1024)  # Llama repos ship one; never copied
     weights = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     r = _run_stage(tmp_path, src)
     assert r.returncode == 0, r.stderr[-2000:]
     peak = int((tmp_path / "rss").read_text())
-    assert weights > 4 * GIB and peak < weights / 4, (peak, weights)  # the stage read the weights, never held them
+    # the stage read the weights (the content hash), never held them: its peak is the tokenizer's and imports'
+    assert weights > 8 * GIB and peak < weights / 4, (peak, weights)
     out = tmp_path / "out"
     linked = sorted(f.name for f in out.iterdir() if f.is_symlink())
     assert linked == ["model-00002-of-00002.safetensors", "model.safetensors"]
