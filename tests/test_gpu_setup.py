@@ -8,7 +8,7 @@
   resolve, from the package index's metadata alone, to exactly their pins on linux x86_64 + Python 3.12
   (uv pip compile, the command in each lock's header; no wheel is installed or downloaded whole).
 - The SGLang worker runs under the interpreter EAGLEPIPE_SGLANG_PYTHON names (the GPU route's .venv-sglang).
-Not checked here: an install on a real GPU machine (the GPU machines lent to this project reach no index).
+Not checked here: an install on a real GPU machine with the package index.
 """
 
 from __future__ import annotations
