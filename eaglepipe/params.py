@@ -168,6 +168,10 @@ class TrainParams(_Strict):
                        "cross-entropy); same losses and gradients as the plain step. Online (a tokens "
                        "store) on CUDA it also compiles the target's decoder layers for the capture "
                        "(engines.hf.compile_layers)")
+    cuda_graph: bool = Field(True, description="with train.fast on CUDA, one process and grad_accum 1: the whole "
+                             "optimizer step (soft targets, TTT unroll, backward, clipping, fused AdamW) replayed "
+                             "as one CUDA graph per row shape (eaglepipe/train/graphed.py); same losses as the "
+                             "eager fast step. Elsewhere the eager step runs, and the log says why")
     freeze_lm_head: bool = Field(False, description="keep lm_head at its init (the target's draft-vocab rows), "
                                  "as speculators does by default")
     teacher_precision: Literal["fp32", "tf32", "bf16"] = Field(

@@ -93,11 +93,12 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
-def autocast_for(device: torch.device):
+def autocast_for(device: torch.device, cache_enabled: bool = True):
     """bf16 autocast on CUDA, none on CPU (module docstring: Precision): the draft's compute in training and
-    evaluation (and in benchmarks/sim_gap.py, which must evaluate as train does)."""
+    evaluation (and in benchmarks/sim_gap.py, which must evaluate as train does). ``cache_enabled`` False inside
+    a CUDA graph capture (torch.cuda.make_graphed_callables' rule: cached casts would outlive the capture)."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache_enabled)
     return torch.autocast("cpu", enabled=False)
 
 

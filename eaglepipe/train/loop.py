@@ -9,7 +9,8 @@ Set-up (:class:`Trainer`'s constructor; steps 1–4 are eaglepipe/train/prepare.
  5. the draft step (TTT unroll; under torchrun DDP-wrapped or FSDP2-sharded, train.parallel) and AdamW with
     warmup + cosine (step.py);
  6. resume from the newest checkpoint in ``<scratch>/<run key>/`` when a killed run with the same key left one
-    (checkpoint.py: safetensors + JSON, one file a rank with FSDP2).
+    (checkpoint.py: safetensors + JSON, one file a rank with FSDP2); then, with train.cuda_graph where it applies
+    (step.py graph_refusal), the whole optimizer step becomes one CUDA graph per row shape (graphed.py).
 The loop, epoch by epoch:
  7. :meth:`Trainer.run_epoch`: the (seed, epoch) rows (packing.py), rank r takes micro-batches r::world
     (distributed.py), an optimizer step every grad_accum micro-batches (:meth:`Trainer.optimizer_step`), a
@@ -21,7 +22,8 @@ The loop, epoch by epoch:
 
 Bad data never becomes a draft: a sample with non-finite features stops training naming it and its shard
 (stream.py); a non-finite loss or gradient norm stops before the optimizer step, naming the step's samples,
-with the checkpoint of the last good step left in place (TrainingError).
+with the checkpoint of the last good step left in place (TrainingError; in a CUDA graph the update of that step
+is skipped on the device, fused AdamW's found_inf).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from torch.nn.utils import clip_grad_norm_
 
 from eaglepipe.data.features import FeatureSet, SampleRef
 from eaglepipe.errors import TrainingError
@@ -46,7 +49,7 @@ from eaglepipe.train.distributed import Dist, barrier, full, init_distributed, l
 from eaglepipe.train.evaluation import evaluate
 from eaglepipe.train.packing import epoch_rows, padding_fraction, steps_per_epoch, total_steps
 from eaglepipe.train.prepare import draft_config, draft_vocab, index_features, init_draft, online_capture, top1_in_vocab
-from eaglepipe.train.step import DraftStep, make_optimizer
+from eaglepipe.train.step import DraftStep, graph_refusal, make_optimizer
 from eaglepipe.train.stream import Samples
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,11 @@ class Trainer:
                                                           "epochs": p.epochs}, sharded=self.draft_step.sharded)
         self.st = self.ckpt.load(self.draft, self.opt, self.sched)  # 6
         self.resumed_from = self.st.step
+        why_eager = graph_refusal(p, device, d.world)
+        if why_eager is None:
+            self.draft_step.use_graph(self.opt, p.grad_clip)
+        elif p.fast and device.type == "cuda":
+            log.info("the eager fast step runs: %s", why_eager)
         self.curves = Curves(live_dir, self.st.curves, d.main)
 
     def run_epoch(self, stop_after: int | None) -> bool:
@@ -133,11 +141,15 @@ class Trainer:
         n_micro = steps_per_epoch(len(rows), d.world, p.grad_accum) * p.grad_accum
         mine = [[self.samples.train[i] for i in row] for row in rows[d.rank :: d.world][:n_micro]]
         t0, stats, step_rows = time.time(), StepStats.zeros(p.ttt_steps, self.device), []
+        graphed = self.draft_step.graph is not None
         for refs, b in self.samples.stream(mine[st.micro :]):
             last_micro = (st.micro + 1) % p.grad_accum == 0
-            with self.draft_step.no_sync() if not last_micro else nullcontext():
-                r = self.draft_step.training(b)
-                (r.loss / p.grad_accum).backward()
+            if graphed:  # forward, backward and the optimizer's update in one replay (grad_accum 1)
+                r = self.draft_step.graphed_training(b)
+            else:
+                with self.draft_step.no_sync() if not last_micro else nullcontext():
+                    r = self.draft_step.training(b)
+                    (r.loss / p.grad_accum).backward()
             stats.add(r, b.input_ids.numel(), p.grad_accum)
             step_rows.append(refs)
             st.micro += 1
@@ -155,25 +167,29 @@ class Trainer:
         return False
 
     def optimizer_step(self, stats: StepStats, rows: list[list[SampleRef]]) -> None:
-        """Reduce the step's stats, refuse a non-finite loss or gradient, clip, step, schedule, log a curve row."""
+        """Reduce the step's stats, refuse a non-finite loss or gradient, clip, step, schedule, log a curve row.
+        In a CUDA graph the clipping and the update already ran in the replay (skipped there when non-finite)."""
         stats.reduce(self.d.world)
-        grad_norm = float(full(torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.p.grad_clip)))
-        loss = float(stats.loss)
+        graph = self.draft_step.graph is not None
+        norm = self.draft_step.grad_norm if graph else clip_grad_norm_(self.draft.parameters(), self.p.grad_clip)
+        loss, grad_norm = float(stats.loss), float(full(norm))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise self.non_finite(rows, loss, grad_norm)
-        self.opt.step()
+        if not graph:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
         self.st.step += 1
         self.st.tokens += int(stats.tokens)
         self.st.losses.append(loss)
-        self.curves.log(self.st.step, stats.curves(self.sched.get_last_lr()[0]))
+        self.curves.log(self.st.step, stats.curves(float(self.sched.get_last_lr()[0])))
 
     def end_epoch(self) -> None:
         """8: evaluate, log, keep the weights if τ_sim is the best so far, move to the next epoch, checkpoint."""
         st, t0 = self.st, time.time()
         ev = evaluate(self.samples, self.draft_step, self.p.batch_tokens, self.p.ttt_steps)
         ev["epoch"], ev["step"] = st.epoch, st.step
+        ev["seconds"] = st.seconds - sum(e.get("seconds", 0.0) for e in st.evals)  # this epoch's training loop
         st.evals.append(ev)
         self.log_epoch(ev, t0)
         row = {"eval/tau_sim": ev["tau_sim"], "eval/loss": ev["loss"]}
@@ -237,8 +253,10 @@ class Trainer:
             "oov_top1": round(st.evals[-1]["oov_top1"], 4),
             "evals": {f"epoch{e['epoch']}": {"tau_sim": round(e["tau_sim"], 4), "loss": round(e["loss"], 4),
                                              "acc": per_step(e["acc"])} for e in st.evals},
+            "epoch_seconds": [round(e.get("seconds", 0.0), 2) for e in st.evals],  # each epoch's training loop
             "final_train_loss": st.losses[-1] if st.losses else None,
             "device": str(self.device),
+            "cuda_graphs": len(self.draft_step.graph.graphs) if self.draft_step.graph else 0,  # 0: the eager step
             "world_size": self.d.world,
             "resumed_from_step": self.resumed_from,
         }

@@ -1,0 +1,100 @@
+"""train_drafter with ``train.cuda_graph``: the whole optimizer step replayed as a CUDA graph gives the eager fast
+step's losses, evaluations and draft; a graphed run resumes onto its own curve; a non-finite loss inside the graph
+stops training before the update, as on the eager path. CUDA cases are skipped elsewhere with the reason; when the
+graph applies (eaglepipe.train.step.graph_refusal) is tested everywhere."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import _copy_features, _params, features  # noqa: F401  (features: the fixture, over tiny_target here)
+
+from eaglepipe.params import TrainParams
+from eaglepipe.train.loop import train_drafter
+from eaglepipe.train.step import graph_refusal
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs exist only there")
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """test_train's peaked random Llama with 2 heads of 16 (flex_attention's CUDA kernel needs head_dim >= 16, so
+    the graph holds the flex path a GPU run takes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
+                      tie_word_embeddings=False, rope_theta=100000.0)
+    out = tmp_path_factory.mktemp("peaked_target_hd16")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def _fast(**kw) -> TrainParams:
+    return _params(fast=True, teacher_precision="tf32", **kw)
+
+
+def test_the_graph_applies_to_one_fast_cuda_process_without_accumulation():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert graph_refusal(_fast(), cuda, 1) is None
+    assert "train.fast on CUDA" in graph_refusal(_fast(), cpu, 1)
+    assert "train.fast on CUDA" in graph_refusal(_params(), cuda, 1)
+    assert graph_refusal(_fast(cuda_graph=False), cuda, 1) == "train.cuda_graph is false"
+    assert "grad_accum 2" in graph_refusal(_fast(grad_accum=2), cuda, 1)
+    assert "2 ranks" in graph_refusal(_fast(), cuda, 2)
+
+
+@CUDA
+def test_graphed_training_equals_the_eager_fast_step(features, tiny_target, tmp_path):  # noqa: F811
+    """Same steps, losses (within bf16 autocast's run-to-run rounding), τ_sim per epoch and draft weights; a
+    learning rate frozen at capture (a Python float) would leave the weights far apart after the warmup and
+    cosine schedule."""
+    eager = train_drafter(features, tiny_target, tmp_path / "e", _fast(cuda_graph=False), scratch_dir=tmp_path / "se")
+    graph = train_drafter(features, tiny_target, tmp_path / "g", _fast(), scratch_dir=tmp_path / "sg")
+    assert graph["cuda_graphs"] >= 1 and eager["cuda_graphs"] == 0
+    assert graph["steps"] == eager["steps"] > 6
+    torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(eager["losses"]), rtol=2e-3, atol=1e-4)
+    assert graph["losses"][-1] < graph["losses"][0]
+    for e, ev in eager["evals"].items():
+        assert graph["evals"][e]["tau_sim"] == pytest.approx(ev["tau_sim"], abs=2e-3)
+    we, wg = load_file(tmp_path / "e" / "model.safetensors"), load_file(tmp_path / "g" / "model.safetensors")
+    assert we.keys() == wg.keys()
+    for k in we:
+        torch.testing.assert_close(wg[k].float(), we[k].float(), rtol=1e-2, atol=2e-3, msg=k)
+
+
+@CUDA
+def test_a_graphed_run_resumes_onto_its_curve(features, tiny_target, tmp_path):  # noqa: F811
+    """Stopped after step 4 (checkpoint with the CUDA lr tensor and capturable AdamW state), resumed in a new
+    graph: the losses of the uninterrupted graphed run."""
+    p = _fast(epochs=2)
+    full = train_drafter(features, tiny_target, tmp_path / "a", p, scratch_dir=tmp_path / "sa")
+    stopped = train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb", stop_after=4)
+    assert stopped["stopped_at"] == 4
+    resumed = train_drafter(features, tiny_target, tmp_path / "b", p, scratch_dir=tmp_path / "sb")
+    assert resumed["resumed_from_step"] == 4 and resumed["cuda_graphs"] >= 1
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]), rtol=1e-3, atol=1e-5)
+
+
+@CUDA
+def test_a_non_finite_loss_in_the_graph_stops_before_the_update(features, tiny_target, tmp_path):  # noqa: F811
+    """test_train's poisoned sample (finite 3e38 features → NaN loss) under the graph: TrainingError at that step
+    naming the sample; the checkpoint left is the step before's, with finite weights."""
+    from eaglepipe.data.features import FeatureSet
+    from eaglepipe.errors import TrainingError
+    from eaglepipe.train.checkpoint import read_checkpoint
+    from eaglepipe.train.packing import epoch_rows, split_samples
+
+    p = _fast(epochs=1, checkpoint_every=1)
+    train = split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]
+    rows = epoch_rows([r.n_tokens for r in train], p.seed, 0, p.batch_tokens)
+    step = 3
+    victim = train[rows[step - 1][0]].id
+    bad = _copy_features(features, tmp_path / "features", {victim: 3e38})
+    with pytest.raises(TrainingError, match="non-finite training loss") as e:
+        train_drafter(bad, tiny_target, tmp_path / "d", p, scratch_dir=tmp_path / "s")
+    assert f"at optimizer step {step}, epoch 0" in str(e.value) and repr(victim) in str(e.value)
+    (ckpt,) = (tmp_path / "s").glob("*/ckpt-*.safetensors")
+    ck = read_checkpoint(ckpt.parent)
+    assert ck["state"].step == step - 1
+    assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
