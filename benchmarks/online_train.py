@@ -105,12 +105,18 @@ def write_stores(target: Path, work: Path, seqs, engine_dtype: str, store_dtype:
     return out
 
 
-def run(store_dir: Path, target: Path, p: TrainParams, scratch: Path) -> dict:
+def fresh_run(scratch: Path) -> None:
+    """Before a timed train_drafter call: the device idle, its cache emptied and peak memory reset, ``scratch``
+    removed."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(store_dir: Path, target: Path, p: TrainParams, scratch: Path) -> dict:
+    fresh_run(scratch)
     t0 = time.perf_counter()
     s = train_drafter(store_dir, target, scratch / "drafter", p, scratch_dir=scratch / "ckpt")
     wall = time.perf_counter() - t0

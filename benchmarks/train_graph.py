@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.online_train import SMOLLM2_SHAPES, write_stores  # noqa: E402
+from benchmarks.online_train import SMOLLM2_SHAPES, fresh_run, write_stores  # noqa: E402
 from eaglepipe.params import parse_params  # noqa: E402
 from eaglepipe.profiles import merge_profile  # noqa: E402
 from eaglepipe.target.info import read_info  # noqa: E402
@@ -65,11 +64,7 @@ def gpu_profile_train(epochs: int):
 
 def run(store_dir: Path, target: Path, p, scratch: Path) -> dict:
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    shutil.rmtree(scratch, ignore_errors=True)
+    fresh_run(scratch)
     t0 = time.perf_counter()
     s = train_drafter(store_dir, target, scratch / "drafter", p, scratch_dir=scratch / "ckpt")
     return {"epoch_seconds": s["epoch_seconds"], "last_epoch_s": s["epoch_seconds"][-1],

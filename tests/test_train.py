@@ -26,19 +26,22 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = [0, 1, 2]
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> Path:
+def peaked_llama(out: Path, heads: int = 4, kv_heads: int = 2) -> Path:
     """A random 2-layer Llama (hidden 32, vocab 99, untied head) whose next-token distributions are peaked
     (initializer_range 0.3; at HF's 0.02 every soft target is nearly uniform and nothing can be learned)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
                       tie_word_embeddings=False, rope_theta=100000.0)
-    out = tmp_path_factory.mktemp("peaked_target")
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    return peaked_llama(tmp_path_factory.mktemp("peaked_target"))
 
 
 @pytest.fixture(scope="module")

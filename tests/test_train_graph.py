@@ -6,7 +6,7 @@ graph applies (eaglepipe.train.step.graph_refusal) is tested everywhere."""
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import _copy_features, _params, features  # noqa: F401  (features: the fixture, over tiny_target here)
+from test_train import _copy_features, _params, features, peaked_llama  # noqa: F401  (features: the fixture, over tiny_target here)
 
 from eaglepipe.params import TrainParams
 from eaglepipe.train.loop import train_drafter
@@ -19,15 +19,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def tiny_target(tmp_path_factory):
     """test_train's peaked random Llama with 2 heads of 16 (flex_attention's CUDA kernel needs head_dim >= 16, so
     the graph holds the flex path a GPU run takes)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
-                      tie_word_embeddings=False, rope_theta=100000.0)
-    out = tmp_path_factory.mktemp("peaked_target_hd16")
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
+    return peaked_llama(tmp_path_factory.mktemp("peaked_target_hd16"), heads=2, kv_heads=1)
 
 
 def _fast(**kw) -> TrainParams:
