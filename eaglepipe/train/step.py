@@ -21,8 +21,8 @@ from eaglepipe.model.target_head import soft_targets
 from eaglepipe.params import TrainParams
 from eaglepipe.train.distributed import autocast_for, shard
 from eaglepipe.train.graphed import GraphedStep
-from eaglepipe.train.ttt import (Batch, TTTResult, TTTUnroll, compile_draft, pad_batch, padded_length, static_rows,
-                                 ttt_unroll_fast)
+from eaglepipe.train.ttt import (
+    Batch, TTTResult, TTTUnroll, compile_draft, pad_batch, padded_length, static_rows, ttt_unroll_fast)
 
 
 class DraftStep:
