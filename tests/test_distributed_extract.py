@@ -103,7 +103,7 @@ def test_hf_at_tp2_extracts_the_features_of_tp1(tmp_path, tiny_target_tp2):
         (cwd / "params.yaml").write_text(yaml.safe_dump({**params, "tensor_parallel_size": tp}))
         out = _run(None, cwd, tiny_target_tp2)
         stores[tp] = FeatureSet(cwd / "features")
-    assert "re-launching under torchrun" in out and "(rank 1 of 2), local rank 1 of 2" in out, out
+    assert "re-launching under torchrun" in out and "tensor-parallel rank of one hf replica (rank 1 of 2)" in out, out
     one, two = stores[1], stores[2]
     assert two.manifest["tensor_parallel_size"] == 2 and "tensor_parallel_size" not in one.manifest
     assert {k: v for k, v in two.manifest.items() if k not in ("tensor_parallel_size", "run_key")} == \

@@ -213,7 +213,8 @@ def place(replica: Replica, tensor_parallel_size: int, workers: int = 1) -> None
     else:
         os.sched_setaffinity(0, mine)
         torch.set_num_threads(len(mine))
-    log.info("extraction replica%s, local rank %d of %d, pid %d: %s %s", replica.label, replica.local_rank,
+    what = "replica" if replica.tp == 1 else "tensor-parallel rank of one hf replica"
+    log.info("extraction %s%s, local rank %d of %d, pid %d: %s %s", what, replica.label, replica.local_rank,
              replica.local_world, os.getpid(), kind, ",".join(map(str, mine)))
 
 
