@@ -93,7 +93,8 @@ class ExtractParams(_Strict):
                                 "on its own tensor_parallel_size GPUs (so nproc_per_node × tensor_parallel_size ≤ "
                                 "the host's GPUs; on a CPU, each on its share of the cores); > 1 re-launches the "
                                 "stage under `torchrun --standalone` (shard i goes to rank i mod ranks; the same "
-                                "shard bytes for any count). Several hosts: docs/cluster.md")
+                                "shard bytes for any count). Several hosts: docs/cluster.md. The hf engine at "
+                                "tensor_parallel_size > 1 is one replica of that many ranks: 1 here")
     store: Literal["features", "tokens"] = Field(
         "features", description="features: shards hold h[k] and h[N] per token (offline training); tokens: token "
         "ids, loss masks and the regenerated text, plus features for the validate.samples samples the offset gate "
@@ -222,9 +223,10 @@ class Params(_Strict):
     framework: Engine = Field("vllm", description="serving engine validated and measured against: vllm | sglang "
                               "| hf")
     tensor_parallel_size: int = Field(
-        1, ge=1, description="GPUs (on a CPU: core groups) the vllm and sglang engines shard the target over in "
-        "regeneration, extraction, validate_offsets and serve_eval (vLLM tensor_parallel_size, SGLang tp_size); "
-        "the hf engine runs it on one device")
+        1, ge=1, description="GPUs (on a CPU: core groups) the engines shard the target over in regeneration, "
+        "extraction, validate_offsets and serve_eval (vLLM tensor_parallel_size, SGLang tp_size); the hf engine "
+        "shards it in extraction only (extract.engine: hf, store features, nproc_per_node 1): the stage runs as that "
+        "many torchrun ranks with transformers' tp_plan='auto', one GPU (or core share) each")
     target: TargetParams = TargetParams()
     prompts: PromptsParams = PromptsParams()
     extract: ExtractParams = ExtractParams()
@@ -244,14 +246,9 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _parallel_engines(self) -> "Params":
-        if self.tensor_parallel_size == 1:
-            return self
-        hf = [f"{k}: {v}" for k, v in (("framework", self.framework), ("extract.engine", self.extract.engine),
-                                       ("extract.regenerate_engine", self.extract.regenerate_engine)) if v == "hf"]
-        if hf:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} shards the target in vllm or sglang, "
-                             f"but {', '.join(hf)} runs it whole on one device in the hf engine; use vllm or sglang "
-                             "there")
+        problem = hf_tensor_parallel_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @field_validator("extract")
@@ -262,6 +259,39 @@ class Params(_Strict):
             raise ValueError(f"prompts.synthetic = {prompts.synthetic} needs extract.regenerate: true (the target "
                              "writes those conversations' user and assistant turns); set it, or prompts.synthetic: 0")
         return v
+
+
+def hf_tensor_parallel_problem(p: Params) -> str | None:
+    """Why these params cannot run the hf engine at ``tensor_parallel_size`` T > 1, or None.
+
+    Built: extraction (``extract.engine: hf``), whose stage runs as T torchrun ranks forming one hf replica
+    (transformers' ``tp_plan="auto"``; eaglepipe/data/distributed_extract.py ``Layout``), regenerating with the
+    same hf replica. Not built: hf as ``framework`` (validate_offsets, serve_eval's reference decoder), the
+    trainer's online hf capture (``extract.store: tokens``), another engine inside hf's ranks, and several hf
+    replicas (transformers 5.x's mesh is (pp, fsdp, tp) over the whole world:
+    transformers/distributed/utils.py ``initialize_distributed_mesh``)."""
+    t, x = p.tensor_parallel_size, p.extract
+    if t == 1:
+        return None
+    head = f"tensor_parallel_size {t} with the hf engine"
+    if p.framework == "hf":
+        return (f"{head} as framework: validate_offsets and serve_eval run hf on one device; set framework: vllm or "
+                "sglang (extract.engine: hf at tensor_parallel_size > 1 is built)")
+    if "hf" not in (x.engine, x.regenerate_engine):
+        return None
+    if x.engine != "hf" or x.regenerate_engine not in (None, "hf"):
+        return (f"{head}: extract.engine {x.engine!r} with extract.regenerate_engine {x.regenerate_engine!r}; hf at "
+                "tensor_parallel_size > 1 runs as extract's own torchrun ranks, so both must be hf (regenerate_engine "
+                "null), or neither")
+    if x.store == "tokens":
+        return (f"{head}: extract.store tokens makes train_drafter capture online with hf on its one training "
+                "device; set extract.store: features, or extract.engine: vllm or sglang")
+    if x.nproc_per_node > 1 or x.workers > 1:
+        return (f"{head}: extract.nproc_per_node {x.nproc_per_node}, extract.workers {x.workers}; one hf replica "
+                f"takes {t} torchrun ranks and transformers 5.x shards over the whole world "
+                "(transformers/distributed/utils.py initialize_distributed_mesh: no data-parallel dimension), so set "
+                "both to 1, or use engine vllm or sglang for several replicas")
+    return None
 
 
 def _format(err: ValidationError) -> str:

@@ -11,6 +11,8 @@ not depend on it, so it is not among extract's params in dvc.yaml).
 Replicas: with `extract.nproc_per_node` N > 1 it re-launches itself as `torchrun --standalone --nproc_per_node N`
 with the same arguments; under torchrun (that, or one `torchrun --nnodes H ...` per host, docs/cluster.md) each
 rank extracts its shards and rank 0 writes OUT_DIR and METRICS_JSON (eaglepipe/data/distributed_extract.py).
+With `extract.engine: hf` and `tensor_parallel_size` T > 1 it re-launches itself as T torchrun ranks forming one hf
+replica (transformers' own tensor parallelism, one GPU or core share per rank).
 """
 
 import hashlib
@@ -19,9 +21,16 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from eaglepipe.data.distributed_extract import Replica, place, process_group, relaunch
+from eaglepipe.data.distributed_extract import (
+    Layout,
+    Replica,
+    place,
+    process_group,
+    relaunch,
+)
 from eaglepipe.data.extract import extract
 from eaglepipe.data.prompts import read_jsonl
+from eaglepipe.engines.hf import check_tensor_parallel
 from eaglepipe.params import check_layers_against_target
 from eaglepipe.serving.servable import require_servable
 from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
@@ -38,10 +47,13 @@ def main():
     for plan in require_servable(p.framework, info.family, info.n_layers, p.layers).values():
         if plan.ids is None:
             logging.getLogger("extract").warning("%s", plan.message(p.layers, info.n_layers))
-    replica = Replica.from_env()
-    if replica.world == 1 and p.extract.nproc_per_node > 1:
-        relaunch(p.extract.nproc_per_node, p.tensor_parallel_size)  # does not return: this process becomes torchrun
-    place(replica, p.tensor_parallel_size, p.extract.workers)  # this rank's GPUs (or cores), before any engine
+    layout = Layout.of(p.extract.engine, p.extract.nproc_per_node, p.tensor_parallel_size)
+    if layout.tp > 1:
+        check_tensor_parallel(target_dir, layout.tp)  # a family transformers cannot shard stops here (exit 2)
+    replica = Replica.from_env(tp=layout.tp)
+    if replica.world == 1 and layout.procs > 1:
+        relaunch(layout.procs, layout.devices)  # does not return: this process becomes torchrun
+    place(replica, layout.devices, p.extract.workers)  # this rank's GPUs (or cores), before any engine
     info = read_info(target_dir)  # with the weights' hash, which keys the shards
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]
     with process_group(replica):

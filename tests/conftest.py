@@ -13,23 +13,34 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EAGLEPIPE_CACHE", REPO / ".cache"))
 
 
-@pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory) -> Path:
-    """A random LlamaForCausalLM (hidden 32, 4 layers, 4 heads / 2 KV heads, vocab 99) saved as an HF folder."""
+def _tiny_llama(out: Path, vocab_size: int) -> Path:
+    """A random LlamaForCausalLM (hidden 32, 4 layers, 4 heads / 2 KV heads, seed 0) saved in ``out`` as an HF
+    folder with the tiny tokenizer (its ids fit any vocab_size ≥ 99)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=99, max_position_embeddings=256, tie_word_embeddings=True,
+        num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    model = LlamaForCausalLM(cfg).eval()
-    out = tmp_path_factory.mktemp("tiny_target")
-    model.save_pretrained(out)
+    LlamaForCausalLM(cfg).eval().save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """The tiny random Llama (:func:`_tiny_llama`), vocab 99."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny_target"), 99)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_tp2(tmp_path_factory) -> Path:
+    """The tiny random Llama with vocab 100: transformers' tensor-parallel plan gathers lm_head's column shards,
+    so the vocabulary must divide by the tensor_parallel_size (eaglepipe/engines/hf.py check_tensor_parallel)."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny_target_tp2"), 100)
 
 
 from eaglepipe.target.tiny import CHATML, tiny_tokenizer  # noqa: E402,F401  (one copy, shared with benchmarks)

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from test_extract import REPO, _sha256_tree, project, run_extract
 
-from eaglepipe.data.distributed_extract import Replica, devices_of
-from eaglepipe.data.features import FeatureSample, ShardWriter
+from eaglepipe.data.distributed_extract import Layout, Replica, devices_of
+from eaglepipe.data.features import FeatureSample, FeatureSet, ShardWriter
 from eaglepipe.errors import ParamsError
 from eaglepipe.params import ExtractParams
 
@@ -87,6 +88,32 @@ def test_two_replicas_write_the_bytes_of_one_process(tmp_path, tiny_target, one_
     metrics = json.loads((cwd / "extract.json").read_text())
     assert metrics["samples"] == N and metrics["resumed_shards"] == 0 and metrics["capture_seconds"] > 0
     assert not any((cwd / ".scratch" / "features").glob("*/*")), "the scratch folder was not emptied"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 on CPU needs a core per rank")
+def test_hf_at_tp2_extracts_the_features_of_tp1(tmp_path, tiny_target_tp2):
+    """extract.engine hf at tensor_parallel_size 2: the stage re-launches itself as 2 torchrun ranks (gloo, a core
+    each) loading the target with transformers' tp_plan="auto", regenerating and capturing in lockstep; rank 0
+    writes. The same regenerated tokens as TP 1 and the same features up to the sharded reductions' rounding (not
+    the same bytes: the rowwise layers sum partial products in another order); the manifest says TP 2."""
+    stores = {}
+    for tp in (1, 2):
+        cwd = project(tmp_path / f"tp{tp}", tiny_target_tp2, 4, shard_size=2)
+        params = yaml.safe_load((cwd / "params.yaml").read_text())
+        (cwd / "params.yaml").write_text(yaml.safe_dump({**params, "tensor_parallel_size": tp}))
+        out = _run(None, cwd, tiny_target_tp2)
+        stores[tp] = FeatureSet(cwd / "features")
+    assert "re-launching under torchrun" in out and "tensor-parallel rank of one hf replica (rank 1 of 2)" in out, out
+    one, two = stores[1], stores[2]
+    assert two.manifest["tensor_parallel_size"] == 2 and "tensor_parallel_size" not in one.manifest
+    assert {k: v for k, v in two.manifest.items() if k not in ("tensor_parallel_size", "run_key")} == \
+        {k: v for k, v in one.manifest.items() if k != "run_key"}  # same ids, token hashes, counts, engine
+    assert len(two) == 4 and [s.id for s in two] == [s.id for s in one]
+    for a, b in zip(one, two):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        for x, y in ((a.aux, b.aux), (a.last, b.last)):  # (T, L, H), (T, H) float32
+            cos = torch.nn.functional.cosine_similarity(x.double(), y.double(), dim=-1)
+            assert cos.min() > 0.99999
 
 
 def _wait_for(pattern: str, log: Path, proc: subprocess.Popen, seconds: float = 300) -> re.Match:
@@ -176,6 +203,18 @@ def test_devices_and_layout_refusals():
     assert Replica.from_env({}) == Replica(0, 1, 0, 1)
     with pytest.raises(ValueError, match="extract.workers = 2"):
         ExtractParams(workers=2, nproc_per_node=2)
+
+
+def test_an_hf_tensor_parallel_replica_is_its_whole_world():
+    """hf at T > 1: T processes of one device each form one replica whose first rank writes every shard; a torchrun
+    of another size is refused (transformers shards over the whole world)."""
+    assert Layout.of("hf", 1, 2) == Layout(2, 1, 2) and Layout.of("vllm", 2, 2) == Layout(2, 2, 1)
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    ranks = [Replica.from_env({**env, "RANK": r, "LOCAL_RANK": r}, tp=2) for r in "01"]
+    assert [(r.writes, r.shards(3)) for r in ranks] == [(True, [0, 1, 2]), (False, [0, 1, 2])]
+    assert Replica.from_env({}, tp=2) == Replica()  # alone: the stage re-launches itself
+    with pytest.raises(ParamsError, match="exactly 2 torchrun ranks .* not 4"):
+        Replica.from_env({"WORLD_SIZE": "4", "RANK": "0"}, tp=2)
 
 
 AGREE = """

@@ -355,7 +355,7 @@ def test_a_tokens_store_of_any_engine_is_accepted_and_tp_needs_a_serving_engine(
     raw["tensor_parallel_size"] = 2
     assert parse_params(raw).tensor_parallel_size == 2  # vllm extracts, gates and serves: no hf anywhere
     raw["extract"]["engine"] = "hf"
-    with pytest.raises(ParamsError, match="extract.engine: hf runs it whole on one device"):
+    with pytest.raises(ParamsError, match="extract.store tokens makes train_drafter capture online with hf"):
         parse_params(raw)
 
 

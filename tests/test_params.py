@@ -130,6 +130,29 @@ def test_bad_params_are_named(patch, expect):
     assert expect in str(e.value)
 
 
+TP2 = {"tensor_parallel_size": 2}
+
+
+@pytest.mark.parametrize("patch,expect", [
+    ({"framework": "hf"}, "hf engine as framework: validate_offsets and serve_eval run hf on one device"),
+    ({"extract": {"engine": "vllm", "regenerate_engine": "hf"}}, "so both must be hf (regenerate_engine null)"),
+    ({"extract": {"regenerate_engine": "vllm"}}, "so both must be hf (regenerate_engine null), or neither"),
+    ({"extract": {"store": "tokens"}}, "extract.store tokens makes train_drafter capture online with hf"),
+    ({"extract": {"nproc_per_node": 2}}, "initialize_distributed_mesh: no data-parallel dimension"),
+    ({"extract": {"workers": 2}}, "extract.nproc_per_node 1, extract.workers 2; one hf replica takes 2 torchrun"),
+])
+def test_hf_tensor_parallelism_is_refused_where_it_is_not_built(patch, expect):
+    """hf at tensor_parallel_size > 1 is extraction's (its stage's own torchrun ranks), one replica, features
+    stored; everything else is refused at params time, naming what to change."""
+    raw = {**defaults(), **TP2}
+    assert parse_params(raw).extract.engine == "hf"  # the defaults at TP 2: hf extracts, vllm gates and serves
+    for k, v in patch.items():
+        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
+    with pytest.raises(ParamsError, match="tensor_parallel_size 2 with the hf engine") as e:
+        parse_params(raw)
+    assert expect in str(e.value)
+
+
 def test_layers_outside_target():
     check_layers_against_target([0, 15, 29], 30)
     with pytest.raises(ParamsError, match=r"\[31\] outside \[0, 29\]"):

@@ -66,9 +66,24 @@ def test_core_groups_give_each_rank_its_own_cores(monkeypatch):
         cpu_groups(3)
 
 
-def test_the_hf_engine_refuses_tensor_parallelism(target):
-    with pytest.raises(ParamsError, match="needs engine vllm or sglang"):
+def test_the_hf_engine_refuses_tensor_parallelism(target, tmp_path):
+    """The hf engine shards a target (transformers' tp_plan="auto") only as one of that many torchrun ranks, which
+    the extract stage launches (tests/test_distributed_extract.py runs it); alone it refuses. A family transformers
+    has no plan for, or whose heads or vocabulary do not divide, is refused naming the file that decides it."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from eaglepipe.engines.hf import check_tensor_parallel
+
+    with pytest.raises(ParamsError, match="runs as that many torchrun ranks .* this world has 1"):
         get_engine("hf", target[0], tensor_parallel_size=2)
+    GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ParamsError, match=r"no tensor-parallel plan for model_type 'gpt2' \(GPT2Config.base_model_tp_"
+                       r"plan is empty in transformers/models/gpt2/configuration_gpt2.py\)"):
+        check_tensor_parallel(tmp_path / "gpt2", 2)
+    LlamaConfig(num_attention_heads=4, num_key_value_heads=2, vocab_size=100).save_pretrained(tmp_path / "llama")
+    check_tensor_parallel(tmp_path / "llama", 2)
+    with pytest.raises(ParamsError, match=r"\{'num_key_value_heads': 2\} do not divide by 4"):
+        check_tensor_parallel(tmp_path / "llama", 4)
 
 
 @needs_two_cores

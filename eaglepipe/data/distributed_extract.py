@@ -18,6 +18,14 @@ each, atomically; rank 0 waits for every rank (:func:`gather_to_rank0`, a gloo c
 writes the store (:meth:`eaglepipe.data.features.ShardWriter.finish`). Rank 0 looks a shard of another rank up
 only after that barrier, so an NFS client's cache of names it found missing cannot hide one.
 
+The hf engine at ``tensor_parallel_size`` T > 1 is the one exception to "a rank is a replica": transformers shards
+the target over torchrun's own ranks (``DistributedConfig(tp_size=T, tp_plan="auto")``, the model family's
+``base_model_tp_plan``), so its one replica is T ranks, one GPU (or core share) each, which run every batch in
+lockstep; only its rank 0 writes shards (:class:`Layout`, :attr:`Replica.writes`). transformers 5.x builds that
+mesh as (pp, fsdp, tp) over the whole world (transformers/distributed/utils.py ``initialize_distributed_mesh``
+refuses a world that is not pp × fsdp × tp), with no data-parallel dimension, so several hf replicas at T > 1
+(DP × TP) are refused (eaglepipe/params.py, and :meth:`Replica.from_env` under a torchrun of another size).
+
 Contracts:
   - every rank computes the same run key (the same params, code, target and prompts), checked by :func:`agree`
     before any rank writes or clears a scratch folder;
@@ -55,24 +63,70 @@ WAIT_FOR_RANKS = timedelta(days=7)
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How extraction maps onto torchrun processes on one host.
+
+    procs: processes per host (torchrun's ``--nproc_per_node`` when the stage re-launches itself);
+    devices: GPUs (or core groups) each process is given; tp: processes that form one engine replica (1, except
+    the hf engine at tensor_parallel_size T > 1: T processes of one GPU each, transformers' own tensor parallelism).
+    """
+
+    procs: int
+    devices: int
+    tp: int = 1
+
+    @classmethod
+    def of(cls, engine: str, nproc_per_node: int, tensor_parallel_size: int) -> Layout:
+        """vllm / sglang: ``nproc_per_node`` replicas of ``tensor_parallel_size`` GPUs each (the engine starts its own
+        tensor-parallel workers). hf at T > 1: T processes, one GPU each, one replica (params refuse
+        ``nproc_per_node`` > 1 with it)."""
+        if engine == "hf" and tensor_parallel_size > 1:
+            return cls(tensor_parallel_size, 1, tensor_parallel_size)
+        return cls(nproc_per_node, tensor_parallel_size)
+
+
+@dataclass(frozen=True)
 class Replica:
     """This process's place among the extraction replicas: torchrun's RANK, WORLD_SIZE, LOCAL_RANK and
-    LOCAL_WORLD_SIZE (ranks on this host); a process started without torchrun is rank 0 of 1."""
+    LOCAL_WORLD_SIZE (ranks on this host); a process started without torchrun is rank 0 of 1. ``tp``: the processes
+    of one replica (:class:`Layout`); ranks r·tp … r·tp + tp − 1 are replica r."""
 
     rank: int = 0
     world: int = 1
     local_rank: int = 0
     local_world: int = 1
+    tp: int = 1
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> Replica:
+    def from_env(cls, env: Mapping[str, str] = os.environ, tp: int = 1) -> Replica:
+        """Alone (no torchrun), rank 0 of 1 whatever ``tp`` (the stage then re-launches itself). Under torchrun,
+        raises ParamsError for tp > 1 (the hf engine's tensor parallelism) unless WORLD_SIZE == tp: one hf replica
+        spans the whole torchrun world (transformers/distributed/utils.py ``initialize_distributed_mesh``)."""
         world = int(env.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        if tp > 1 and world != tp:
+            raise ParamsError(
+                f"the hf engine at tensor_parallel_size {tp} runs as exactly {tp} torchrun ranks (one replica: "
+                f"transformers 5.x shards the target over the whole world, transformers/distributed/utils.py "
+                f"initialize_distributed_mesh), not {world}: launch torchrun with {tp} processes in all, or extract "
+                "with engine vllm or sglang for several replicas at tensor_parallel_size > 1")
         return cls(int(env.get("RANK", "0")), world, int(env.get("LOCAL_RANK", "0")),
-                   int(env.get("LOCAL_WORLD_SIZE", str(world))))
+                   int(env.get("LOCAL_WORLD_SIZE", str(world))), tp)
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its replica's shards (the replica's first rank; every rank when tp = 1)."""
+        return self.rank % self.tp == 0
 
     def shards(self, n: int) -> list[int]:
-        """This rank's shards of 0..n-1: shard i is rank i mod world's."""
-        return list(range(self.rank, n, self.world))
+        """This rank's replica's shards of 0..n-1: shard i is replica i mod replicas' (rank i mod world's when
+        tp = 1)."""
+        return list(range(self.rank // self.tp, n, self.replicas))
 
     @property
     def label(self) -> str:
@@ -140,8 +194,11 @@ def share_of(replica: Replica, tensor_parallel_size: int) -> tuple[str, list]:
 def place(replica: Replica, tensor_parallel_size: int, workers: int = 1) -> None:
     """Give this rank its share of the host (:func:`share_of`), before any engine starts; nothing when alone.
 
-    GPUs: CUDA_VISIBLE_DEVICES = its ``tensor_parallel_size`` GPUs. Cores: its affinity and torch threads, which
-    the vLLM / SGLang CPU backends then split into one group per tensor-parallel rank. Raises ParamsError for
+    GPUs: CUDA_VISIBLE_DEVICES = its ``tensor_parallel_size`` GPUs; for a rank of an hf tensor-parallel replica
+    (``replica.tp`` > 1, one GPU each) the GPUs of its host's ranks instead, since transformers binds each rank to
+    cuda:LOCAL_RANK itself (transformers/distributed/utils.py ``initialize_distributed_mesh``). Cores: its affinity
+    and torch threads, which the vLLM / SGLang CPU backends then split into one group per tensor-parallel rank (an
+    hf rank computes its shard of every layer on them). Raises ParamsError for
     ``extract.workers`` > 1 under torchrun (ranks are the replicas; a rank does not spawn more) and for a layout
     the host cannot hold.
     """
@@ -152,18 +209,22 @@ def place(replica: Replica, tensor_parallel_size: int, workers: int = 1) -> None
                           "the replicas; set extract.workers: 1")
     kind, mine = share_of(replica, tensor_parallel_size)
     if kind == "GPUs":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus()[:replica.local_world] if replica.tp > 1 else mine)
     else:
         os.sched_setaffinity(0, mine)
         torch.set_num_threads(len(mine))
-    log.info("extraction replica%s, local rank %d of %d, pid %d: %s %s", replica.label, replica.local_rank,
+    what = "replica" if replica.tp == 1 else "tensor-parallel rank of one hf replica"
+    log.info("extraction %s%s, local rank %d of %d, pid %d: %s %s", what, replica.label, replica.local_rank,
              replica.local_world, os.getpid(), kind, ",".join(map(str, mine)))
 
 
 @contextmanager
 def process_group(replica: Replica) -> Iterator[None]:
     """The job's gloo process group (torchrun's store at MASTER_ADDR / MASTER_PORT), destroyed on exit; nothing
-    when alone. gloo, whatever the device: only small Python objects cross it, never tensors.
+    when alone. gloo, whatever the device: only small Python objects cross it, never tensors; except for an hf
+    tensor-parallel replica (``replica.tp`` > 1) on GPUs, whose layers all-reduce CUDA tensors over this group
+    (transformers takes the default group when one exists): "cpu:gloo,cuda:nccl", object collectives staying on
+    gloo (torch/distributed/distributed_c10d.py ``_get_object_coll_device``).
 
     The group's keys live under a prefix of their own per torchrun attempt (TORCHELASTIC_RESTART_COUNT): torchrun
     keeps one store across the restarts of ``--max-restarts``, and without the prefix restarted ranks hung, or
@@ -176,7 +237,8 @@ def process_group(replica: Replica) -> Iterator[None]:
 
     store, rank, world = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"eaglepipe_extract/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=WAIT_FOR_RANKS)
+    backend = "cpu:gloo,cuda:nccl" if replica.tp > 1 and visible_gpus() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=WAIT_FOR_RANKS)
     try:
         yield
     finally:

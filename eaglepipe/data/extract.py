@@ -170,10 +170,13 @@ def extract(
 
     gate_samples: with ``p.store == "tokens"``, how many leading conversations keep their features (what
     validate_offsets reads: ``validate.samples``); ignored for a features store.
-    tensor_parallel_size: the vllm / sglang engine's (params ``tensor_parallel_size``; recorded when > 1).
-    replica: this process's rank under torchrun (:mod:`eaglepipe.data.distributed_extract`): it extracts shard i
-    for i mod world == rank, and rank 0, once every rank is done, writes ``out_dir`` and returns; the other ranks
-    return None. The same bytes as one process for any layout.
+    tensor_parallel_size: the engine's (params ``tensor_parallel_size``; recorded when > 1): vllm / sglang start
+    their own tensor-parallel workers; hf at T > 1 is this torchrun world of T ranks (``replica.tp`` = T), each
+    loading its shard of the target (transformers ``tp_plan="auto"``) and running every batch with the others.
+    replica: this process's rank under torchrun (:mod:`eaglepipe.data.distributed_extract`): its replica extracts
+    shard i for i mod replicas == its index (the replica's first rank writes it), and rank 0, once every rank is
+    done, writes ``out_dir`` and returns; the other ranks return None. The same bytes as one process for any layout
+    of replicas (not across tensor_parallel_size: a sharded target's reductions round differently).
     The engine starts at the first missing shard and is closed when this returns or raises.
     Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
     """
@@ -189,17 +192,18 @@ def extract(
         log.info("resuming: %d of %d shards already written (key %s)%s", resumed, len(mine), key, replica.label)
     ids = convention.engine_ids(p.engine, info.family, layers + [info.n_layers], info.n_layers)
     timing = _Timing(time.perf_counter())
-    work = _ShardWork(target_dir, info, ids, p, writer, gate_samples, tensor_parallel_size=tensor_parallel_size)
+    work = _ShardWork(target_dir, info, ids, p, writer, gate_samples, tensor_parallel_size=tensor_parallel_size,
+                      writes=replica.writes)
     total, left = sum(len(chunks[i]) for i in mine), sum(len(chunks[i]) for i in todo)
     with tqdm(total=total, initial=total - left, unit="sample", desc=replica.label.strip(" ()") or None) as bar:
         if p.workers > 1 and len(todo) > 1:
             _in_workers(work, {i: chunks[i] for i in todo}, timing, bar)
         else:
             work.run({i: chunks[i] for i in todo}, timing, bar)
-    parts = gather_to_rank0(replica, (timing, resumed))  # rank 0 waits here for every rank
+    parts = gather_to_rank0(replica, (timing, resumed) if replica.writes else None)  # rank 0 waits for every rank
     if parts is None:
         return None
-    for other, other_resumed in parts[1:]:
+    for other, other_resumed in filter(None, parts[1:]):  # one part per replica: its ranks counted its tokens once
         timing.absorb(other)
         resumed += other_resumed
     manifest = writer.finish(_header(p, info, layers, ids, timing, prompts_hash, gate_samples, tensor_parallel_size),
@@ -310,6 +314,7 @@ class _ShardWork:
     gate_samples: int
     memory_share: float = 1.0  # of the GPU memory a vLLM instance asks for (1/n for n workers)
     tensor_parallel_size: int = 1  # GPUs (CPU core groups) each engine instance shards the target over
+    writes: bool = True  # False on the ranks of an hf tensor-parallel replica but its first: they compute, it writes
 
     def run(self, chunks: dict[int, list[dict]], timing: _Timing, bar=None, start_lock=None, stop=None) -> _Timing:
         """Extract and write shard i = each key of ``chunks`` with this process's engines; returns ``timing``.
@@ -337,8 +342,9 @@ class _ShardWork:
                         else len(chunk))
                 samples, messages = _shard_samples(engines, tok, chunk, self.ids, p, timing, gate)
                 kept, bad = quarantine(samples)
-                self.writer.write(i, kept, bad,
-                                  messages=None if messages is None else [messages[s.id] for s in kept])
+                if self.writes:
+                    self.writer.write(i, kept, bad,
+                                      messages=None if messages is None else [messages[s.id] for s in kept])
                 if bar is not None:
                     bar.update(len(chunk))
                     bar.set_postfix(tok_s=f"{timing.tokens / max(timing.capture, 1e-9):.0f}")

@@ -85,8 +85,66 @@ def compile_layers(layers) -> None:
         layer.forward = types.MethodType(fwd, layer)
 
 
+def check_tensor_parallel(target_dir, tensor_parallel_size: int) -> None:
+    """Refuse a target transformers cannot shard over ``tensor_parallel_size`` ranks. Raises ParamsError.
+
+    ``DistributedConfig(tp_plan="auto")`` applies the config class's ``base_model_tp_plan``
+    (transformers/models/<model_type>/configuration_<model_type>.py: Llama, Mistral, Qwen2/3, Gemma, Phi3,
+    DeepSeek-V3, ... have one); a family without one gets an empty plan, which
+    transformers/distributed/mixin.py ``maybe_distribute_model`` applies as no sharding at all (every rank holds the
+    whole target). The plan shards q/k/v column-wise by head, so the attention and KV head counts must divide by T,
+    and the CausalLM's ``lm_head`` column-wise with its output gathered, so the vocabulary must too
+    (transformers/distributed/tensor_parallel.py ``ColwiseParallel.validate_param``).
+    """
+    if tensor_parallel_size == 1:
+        return
+    import inspect
+
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target_dir)
+    where = inspect.getsourcefile(type(cfg)) or type(cfg).__module__
+    where = where[where.find("transformers/"):] if "transformers/" in where else where
+    if not getattr(cfg, "base_model_tp_plan", None):
+        raise ParamsError(f"tensor_parallel_size {tensor_parallel_size} with the hf engine: transformers has no "
+                          f"tensor-parallel plan for model_type {cfg.model_type!r} ({type(cfg).__name__}."
+                          f"base_model_tp_plan is empty in {where}); use engine vllm or sglang, or "
+                          "tensor_parallel_size: 1")
+    sizes = {k: getattr(cfg, k, None) for k in ("num_attention_heads", "num_key_value_heads", "vocab_size")}
+    bad = {k: v for k, v in sizes.items() if v is not None and v % tensor_parallel_size}
+    if bad:
+        raise ParamsError(f"tensor_parallel_size {tensor_parallel_size} with the hf engine: transformers' plan "
+                          f"({where}) splits the attention heads and the vocabulary over the ranks, and {bad} do not "
+                          f"divide by {tensor_parallel_size}; choose a tensor_parallel_size that divides them, or "
+                          "engine vllm or sglang")
+
+
+def load_tensor_parallel(target_dir, dtype: str, tensor_parallel_size: int):
+    """This rank's shard of the target: ``AutoModelForCausalLM`` with ``DistributedConfig(tp_size=T,
+    tp_plan="auto")`` (transformers/distributed/configuration_utils.py), under torchrun with WORLD_SIZE == T. It
+    takes the default process group when one exists (eaglepipe/data/distributed_extract.py ``process_group``), and
+    places the rank on cuda:LOCAL_RANK, or the CPU (transformers/distributed/utils.py
+    ``initialize_distributed_mesh``). The decoder layers' outputs are whole (rowwise layers all-reduce), so the
+    boundary hooks see the same (B, T, H) tensors as one device, up to the reductions' rounding.
+    Raises ParamsError outside such a world, or for a target :func:`check_tensor_parallel` refuses."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tensor_parallel_size:
+        raise ParamsError(f"the hf engine at tensor_parallel_size {tensor_parallel_size} runs as that many torchrun "
+                          f"ranks (the extract stage launches them), but this world has {world}")
+    check_tensor_parallel(target_dir, tensor_parallel_size)
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype), distributed_config=(
+        DistributedConfig(tp_size=tensor_parallel_size, tp_plan="auto")))
+
+
 class HFEngine(Engine):
-    """transformers ``AutoModelForCausalLM`` on CPU or CUDA (chosen automatically)."""
+    """transformers ``AutoModelForCausalLM`` on CPU or CUDA (chosen automatically); at ``tensor_parallel_size`` T > 1
+    one torchrun rank of T holding its shard of the target (:func:`load_tensor_parallel`): every rank must make the
+    same calls with the same inputs (lockstep), and each gets the whole result."""
 
     name = "hf"
 
@@ -94,20 +152,24 @@ class HFEngine(Engine):
                  info=None, quantization: str | None = None, compile: bool = False, tensor_parallel_size: int = 1,
                  **_):
         super().__init__(target_dir, dtype, info)
-        if tensor_parallel_size != 1:  # params refuse it first (eaglepipe/params.py); a direct caller here
-            raise ParamsError("the hf engine (transformers) runs the target on one device: tensor_parallel_size "
-                              f"{tensor_parallel_size} needs engine vllm or sglang")
+        if tensor_parallel_size > 1 and compile:  # params refuse it first (online capture is one device's)
+            raise ParamsError("the hf engine compiles its layers on one device only: tensor_parallel_size "
+                              f"{tensor_parallel_size} with compile")
         if quantization is not None:  # params refuse it first (eaglepipe/target/quantization.py); a direct caller here
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
                               f"quantization {quantization!r} needs engine vllm or sglang")
         refuse_hf_on_quantized(self.target_dir, ["an hf engine started on it"])
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
-        self.model.to(self.device).eval()
+        if tensor_parallel_size > 1:  # placed by transformers: cuda:LOCAL_RANK or the CPU
+            self.model = load_tensor_parallel(self.target_dir, dtype, tensor_parallel_size).eval()
+            self.device = str(self.model.device)
+        else:
+            self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
+            self.model.to(self.device).eval()
         self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
         # compile: the decoder layers through one torch.compile (compile_layers); the boundary hooks stay
         # eager. benchmarks/online_train.py times it against eager (capture_only rows)
