@@ -21,13 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from eaglepipe.data.distributed_extract import (
-    Layout,
-    Replica,
-    place,
-    process_group,
-    relaunch,
-)
+from eaglepipe.data.distributed_extract import Layout, Replica, place, process_group, relaunch
 from eaglepipe.data.extract import extract
 from eaglepipe.data.prompts import read_jsonl
 from eaglepipe.engines.hf import check_tensor_parallel
