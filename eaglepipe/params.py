@@ -225,6 +225,11 @@ class Params(_Strict):
         1, ge=1, description="GPUs (on a CPU: core groups) the vllm and sglang engines shard the target over in "
         "regeneration, extraction, validate_offsets and serve_eval (vLLM tensor_parallel_size, SGLang tp_size); "
         "the hf engine runs it on one device")
+    expert_parallel: bool = Field(
+        False, description="an MoE target's experts split over the tensor_parallel_size ranks instead of each "
+        "expert's weights (vLLM enable_expert_parallel, SGLang ep_size = tp_size), wherever tensor_parallel_size "
+        "reaches; needs tensor_parallel_size ≥ 2, engines vllm / sglang on CUDA GPUs (their CPU MoE kernels ignore "
+        "the split) and a target with experts (the target stage refuses a dense one or a CPU)")
     target: TargetParams = TargetParams()
     prompts: PromptsParams = PromptsParams()
     extract: ExtractParams = ExtractParams()
@@ -244,14 +249,19 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _parallel_engines(self) -> "Params":
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("expert_parallel: true splits the experts over the tensor_parallel_size ranks, but "
+                             "tensor_parallel_size is 1 (one rank holds every expert); set tensor_parallel_size ≥ 2 "
+                             "or expert_parallel: false")
         if self.tensor_parallel_size == 1:
             return self
         hf = [f"{k}: {v}" for k, v in (("framework", self.framework), ("extract.engine", self.extract.engine),
                                        ("extract.regenerate_engine", self.extract.regenerate_engine)) if v == "hf"]
         if hf:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} shards the target in vllm or sglang, "
-                             f"but {', '.join(hf)} runs it whole on one device in the hf engine; use vllm or sglang "
-                             "there")
+            ep = " with expert_parallel" if self.expert_parallel else ""
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}{ep} shards the target in vllm or "
+                             f"sglang, but {', '.join(hf)} runs it whole on one device in the hf engine; use vllm or "
+                             "sglang there")
         return self
 
     @field_validator("extract")
