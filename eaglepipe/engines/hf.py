@@ -92,11 +92,13 @@ class HFEngine(Engine):
 
     def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
                  info=None, quantization: str | None = None, compile: bool = False, tensor_parallel_size: int = 1,
-                 **_):
+                 expert_parallel: bool = False, **_):
         super().__init__(target_dir, dtype, info)
-        if tensor_parallel_size != 1:  # params refuse it first (eaglepipe/params.py); a direct caller here
-            raise ParamsError("the hf engine (transformers) runs the target on one device: tensor_parallel_size "
-                              f"{tensor_parallel_size} needs engine vllm or sglang")
+        # params refuse it first (eaglepipe/params.py); a direct caller here
+        if tensor_parallel_size != 1 or expert_parallel:
+            what = f"tensor_parallel_size {tensor_parallel_size}" + (" with expert_parallel" if expert_parallel else "")
+            raise ParamsError(f"the hf engine (transformers) runs the target on one device: {what} needs engine vllm "
+                              "or sglang")
         if quantization is not None:  # params refuse it first (eaglepipe/target/quantization.py); a direct caller here
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
                               f"quantization {quantization!r} needs engine vllm or sglang")
