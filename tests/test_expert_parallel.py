@@ -175,3 +175,16 @@ def test_on_a_cpu_the_engines_fail_with_the_experts_split_as_the_refusal_says(en
         forced = {"engine_kwargs": {"ep_size": 2}}
     with get_engine(engine, target_dir, tensor_parallel_size=2, **forced) as e, pytest.raises(died):
         e.capture(SEQUENCES, ids)
+
+
+def test_features_made_with_the_experts_split_are_keyed_apart():
+    """A resumed extract never mixes shards made with and without the split; without it the key is unchanged."""
+    from eaglepipe.data.extract import plan_key
+    from eaglepipe.params import ExtractParams
+    from eaglepipe.target.info import TargetInfo
+
+    info = TargetInfo("s", "qwen3_moe", "qwen3_moe", 6, 64, 99, "float32", True, "abc", {"rope_type": "default"})
+    p = ExtractParams(engine="vllm")
+    tp2 = plan_key(info, BOUNDARIES, p, "vllm", "h", 0, 2)
+    assert plan_key(info, BOUNDARIES, p, "vllm", "h", 0, 2, False) == tp2
+    assert plan_key(info, BOUNDARIES, p, "vllm", "h", 0, 2, True) != tp2
