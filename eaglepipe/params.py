@@ -227,6 +227,11 @@ class Params(_Strict):
         "extraction, validate_offsets and serve_eval (vLLM tensor_parallel_size, SGLang tp_size); the hf engine "
         "shards it in extraction only (extract.engine: hf, store features, nproc_per_node 1): the stage runs as that "
         "many torchrun ranks with transformers' tp_plan='auto', one GPU (or core share) each")
+    expert_parallel: bool = Field(
+        False, description="an MoE target's experts split over the tensor_parallel_size ranks instead of each "
+        "expert's weights (vLLM enable_expert_parallel, SGLang ep_size = tp_size), wherever tensor_parallel_size "
+        "reaches; needs tensor_parallel_size ≥ 2, engines vllm / sglang on CUDA GPUs (their CPU MoE kernels ignore "
+        "the split) and a target with experts (the target stage refuses a dense one or a CPU)")
     target: TargetParams = TargetParams()
     prompts: PromptsParams = PromptsParams()
     extract: ExtractParams = ExtractParams()
@@ -246,6 +251,16 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _parallel_engines(self) -> "Params":
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("expert_parallel: true splits the experts over the tensor_parallel_size ranks, but "
+                             "tensor_parallel_size is 1 (one rank holds every expert); set tensor_parallel_size ≥ 2 "
+                             "or expert_parallel: false")
+        hf = [f"{k}: {v}" for k, v in (("framework", self.framework), ("extract.engine", self.extract.engine),
+                                       ("extract.regenerate_engine", self.extract.regenerate_engine)) if v == "hf"]
+        if self.expert_parallel and hf:
+            raise ValueError(f"expert_parallel splits the experts in vllm or sglang, but {', '.join(hf)} runs the "
+                             "hf engine, which has no expert parallelism; use vllm or sglang there, or "
+                             "expert_parallel: false")
         problem = hf_tensor_parallel_problem(self)
         if problem:
             raise ValueError(problem)

@@ -53,7 +53,8 @@ def main():
     with process_group(replica):
         done = extract(read_jsonl(train_file), target_dir, info, p.layers, p.extract, out_dir,
                        scratch_dir_of(out_dir), prompts_hash, gate_samples=p.validate_.samples,
-                       tensor_parallel_size=p.tensor_parallel_size, replica=replica)
+                       tensor_parallel_size=p.tensor_parallel_size, replica=replica,
+                       expert_parallel=p.expert_parallel)
     if done is None:  # a rank other than 0: rank 0 wrote the store
         return
     manifest, stats = done

@@ -30,15 +30,17 @@ from eaglepipe.serving.evaluate import (
 from eaglepipe.stage import run, start, write_metrics
 
 
-def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s, tp: int = 1) -> dict | None:
+def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s, tp: int = 1,
+                 ep: bool = False) -> dict | None:
     """The real engine's served result (None for `hf`; a recorded skip where it cannot serve here, e.g. SGLang
-    without CUDA: recorded, not faked)."""
+    without CUDA: recorded, not faked); ``tp``, ``ep``: params tensor_parallel_size, expert_parallel."""
     if framework not in SERVING:
         return None
     try:
         opts = {"quantization": s.quantization} if s.quantization else {}  # the target's; the draft stays as is
         return serve_eagle3(framework, target_dir, export_dir / framework, ids, s.k, s.max_new_tokens,
-                            batch_sizes=tuple(s.batch_sizes), dtype=s.engine_dtype, tensor_parallel_size=tp, **opts)
+                            batch_sizes=tuple(s.batch_sizes), dtype=s.engine_dtype, tensor_parallel_size=tp,
+                            expert_parallel=ep, **opts)
     except ServingUnavailable as e:
         return {"skipped": str(e)}
 
@@ -52,7 +54,7 @@ def main():
            "params": {"layers": p.layers, "framework": p.framework, "serve": s.model_dump()}}
     out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens)
     res = serve_engine(p.framework, target_dir, export_dir, [q["input_ids"] for q in prompts], s,
-                       p.tensor_parallel_size)
+                       p.tensor_parallel_size, p.expert_parallel)
     if res is not None:
         res = {k: v for k, v in res.items() if not k.startswith("outputs_") or k == "outputs_equal"}
         out[p.framework] = {"engine": p.framework, "engine_version": engine_version(p.framework),

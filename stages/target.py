@@ -4,7 +4,9 @@ Usage: python stages/target.py OUT_DIR METRICS_JSON
 Reads params `target`, `extract.engine` (a pre-quantized target is refused here where the hf engine would
 capture it, offline or online), `extract.engine` and `framework` (a target one of the engines they name cannot
 capture is refused here, naming the engine file: eaglepipe/target/capture_check.py) and `tensor_parallel_size`
-(on a GPU, weights that cannot fit at that size are refused here, naming the size that fits); writes OUT_DIR
+(on a GPU, weights that cannot fit at that size are refused here, naming the size that fits) and
+`expert_parallel` (a dense target, or an engine without it on this device, is refused here:
+eaglepipe/target/info.py require_expert_parallel); writes OUT_DIR
 (config, tokenizer + chat template, the weights linked or a GGUF dequantized) and METRICS_JSON (N, hidden size,
 vocab, dtype, content hash).
 """
@@ -19,23 +21,37 @@ import torch
 from eaglepipe.errors import ParamsError
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target.capture_check import capture_uses, require_capturable
-from eaglepipe.target.info import check_fits, load_config, materialize_target, refuse_hf_on_quantized, weight_bytes
+from eaglepipe.target.info import (check_fits, load_config, materialize_target, refuse_hf_on_quantized,
+                                   require_expert_parallel, weight_bytes)
+
+
+def check_config(p, config, source: str) -> None:
+    """The refusals that need the target's config: engines that cannot capture it, expert parallelism on a
+    dense target. Raises ParamsError."""
+    require_capturable(config, source, capture_uses(p.extract.engine, p.framework))
+    if p.expert_parallel:
+        uses = {}
+        regenerate = p.extract.regenerate_engine if p.extract.regenerate else None
+        for param, engine in (("extract.engine", p.extract.engine), ("extract.regenerate_engine", regenerate),
+                              ("framework", p.framework)):
+            if engine:
+                uses.setdefault(engine, []).append(f"{param}: {engine}")
+        require_expert_parallel(config, source, p.tensor_parallel_size, uses, torch.cuda.is_available())
 
 
 def main():
     p = start("target")
     out_dir, metrics = sys.argv[1:3]
-    uses = capture_uses(p.extract.engine, p.framework)
     if Path(p.target.source).is_dir():  # a local HF folder: its refusals come before anything is written
         refuse_hf_on_quantized(p.target.source, ["extract.engine: hf"] if p.extract.engine == "hf" else [])
-        require_capturable(load_config(Path(p.target.source)), p.target.source, uses)
+        check_config(p, load_config(Path(p.target.source)), p.target.source)
         if torch.cuda.is_available():  # on a CPU the engines hold every rank's shard in one host's memory
             check_fits(weight_bytes(p.target.source), p.tensor_parallel_size,
                        torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())
     info = materialize_target(p.target.source, out_dir, p.target.dtype)
     if not Path(p.target.source).is_dir():  # a GGUF: its config exists once dequantized
         try:
-            require_capturable(load_config(Path(out_dir)), p.target.source, uses)
+            check_config(p, load_config(Path(out_dir)), p.target.source)
         except ParamsError:
             shutil.rmtree(out_dir)
             raise

@@ -34,10 +34,10 @@ def main():
     v, samples, ref = p.validate_, fs.take(p.validate_.samples), None
     if v.quantization and v.reference:  # the same engine unquantized: the baseline the gap is measured against
         with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info,
-                        tensor_parallel_size=p.tensor_parallel_size) as engine:
+                        tensor_parallel_size=p.tensor_parallel_size, expert_parallel=p.expert_parallel) as engine:
             ref = reference_capture(engine, family, fs.n_layers, fs.layers, samples)
     with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info, quantization=v.quantization,
-                    tensor_parallel_size=p.tensor_parallel_size) as engine:
+                    tensor_parallel_size=p.tensor_parallel_size, expert_parallel=p.expert_parallel) as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, samples, v.search, v.min_cosine,
                             v.max_rel_l2, ref, v.min_match_cosine)
     write_metrics(report_json, rep.to_json())

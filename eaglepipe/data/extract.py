@@ -147,7 +147,7 @@ _NOT_IN_SHARDS = {"batch_size", *_LAYOUT}
 
 
 def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str, prompts_hash: str,
-             gate_samples: int = 0, tensor_parallel_size: int = 1) -> str:
+             gate_samples: int = 0, tensor_parallel_size: int = 1, expert_parallel: bool = False) -> str:
     """Hash of everything that determines the shards (keys the resumable scratch folder), the code included."""
     spec = {
         "code": code_hash(EXTRACT_SCRIPT),
@@ -156,6 +156,8 @@ def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str,
     }
     if tensor_parallel_size > 1:  # a sharded target's reductions round differently
         spec["tensor_parallel_size"] = tensor_parallel_size
+    if expert_parallel:  # whole experts per rank: another reduction order again
+        spec["expert_parallel"] = True
     if p.store == "tokens":
         spec["gate_samples"] = gate_samples
     return run_key(spec)
@@ -164,7 +166,7 @@ def plan_key(info: TargetInfo, layers: list[int], p: ExtractParams, engine: str,
 def extract(
     convs: list[dict], target_dir: Path, info: TargetInfo, layers: list[int], p: ExtractParams,
     out_dir: Path, scratch: Path, prompts_hash: str, gate_samples: int = 0, tensor_parallel_size: int = 1,
-    replica: Replica = ALONE,
+    replica: Replica = ALONE, expert_parallel: bool = False,
 ) -> tuple[dict, ExtractStats] | None:
     """Run steps 1–4 over ``convs`` and write ``out_dir`` (shards + manifest.json).
 
@@ -173,6 +175,8 @@ def extract(
     tensor_parallel_size: the engine's (params ``tensor_parallel_size``; recorded when > 1): vllm / sglang start
     their own tensor-parallel workers; hf at T > 1 is this torchrun world of T ranks (``replica.tp`` = T), each
     loading its shard of the target (transformers ``tp_plan="auto"``) and running every batch with the others.
+    expert_parallel: the vllm / sglang engine splits an MoE target's experts over those ranks (params
+    ``expert_parallel``; recorded when true).
     replica: this process's rank under torchrun (:mod:`eaglepipe.data.distributed_extract`): its replica extracts
     shard i for i mod replicas == its index (the replica's first rank writes it), and rank 0, once every rank is
     done, writes ``out_dir`` and returns; the other ranks return None. The same bytes as one process for any layout
@@ -181,7 +185,7 @@ def extract(
     Raises ConventionError (untranslatable layers for that engine), CaptureMismatch (template problems).
     """
     gate_samples = gate_samples if p.store == "tokens" else 0
-    key = plan_key(info, layers, p, p.engine, prompts_hash, gate_samples, tensor_parallel_size)
+    key = plan_key(info, layers, p, p.engine, prompts_hash, gate_samples, tensor_parallel_size, expert_parallel)
     agree(replica, "run key", key)  # before the writer, which clears scratch folders of other keys
     writer = ShardWriter(out_dir, scratch, key, p.shard_size)
     chunks = [convs[i : i + p.shard_size] for i in range(0, len(convs), p.shard_size)]
@@ -193,7 +197,7 @@ def extract(
     ids = convention.engine_ids(p.engine, info.family, layers + [info.n_layers], info.n_layers)
     timing = _Timing(time.perf_counter())
     work = _ShardWork(target_dir, info, ids, p, writer, gate_samples, tensor_parallel_size=tensor_parallel_size,
-                      writes=replica.writes)
+                      writes=replica.writes, expert_parallel=expert_parallel)
     total, left = sum(len(chunks[i]) for i in mine), sum(len(chunks[i]) for i in todo)
     with tqdm(total=total, initial=total - left, unit="sample", desc=replica.label.strip(" ()") or None) as bar:
         if p.workers > 1 and len(todo) > 1:
@@ -206,14 +210,14 @@ def extract(
     for other, other_resumed in filter(None, parts[1:]):  # one part per replica: its ranks counted its tokens once
         timing.absorb(other)
         resumed += other_resumed
-    manifest = writer.finish(_header(p, info, layers, ids, timing, prompts_hash, gate_samples, tensor_parallel_size),
-                             len(chunks))
+    header = _header(p, info, layers, ids, timing, prompts_hash, gate_samples, tensor_parallel_size, expert_parallel)
+    manifest = writer.finish(header, len(chunks))
     n_synthetic = sum(is_synthetic(c["id"]) for c in convs)
     return manifest, _stats(manifest, out_dir, timing, resumed, n_synthetic)
 
 
 def _header(p: ExtractParams, info: TargetInfo, layers: list[int], ids: list[int], timing: _Timing,
-            prompts_hash: str, gate_samples: int, tensor_parallel_size: int) -> dict:
+            prompts_hash: str, gate_samples: int, tensor_parallel_size: int, expert_parallel: bool = False) -> dict:
     """The manifest's header: what made the features (never how the work was laid out over processes)."""
     header = {
         "engine": p.engine, "engine_version": timing.version or engine_version(p.engine), "layers": layers,
@@ -225,6 +229,7 @@ def _header(p: ExtractParams, info: TargetInfo, layers: list[int], ids: list[int
         "store": p.store,
         **({"quantization": p.quantization} if p.quantization else {}),  # the extracting engine's (ExtractParams)
         **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
+        **({"expert_parallel": True} if expert_parallel else {}),
     }
     if p.store == "tokens":  # what train_drafter's online capture needs to compute what this would have stored
         header.update(gate_samples=gate_samples, engine_dtype=p.engine_dtype)
@@ -253,9 +258,10 @@ class _Engines:
     ``extract.engine``'s, ``regenerate()`` is ``extract.regenerate_engine``'s (the same one when unset)."""
 
     def __init__(self, stack: ExitStack, target_dir: Path, info: TargetInfo, p: ExtractParams,
-                 memory_share: float = 1.0, tensor_parallel_size: int = 1):
+                 memory_share: float = 1.0, tensor_parallel_size: int = 1, expert_parallel: bool = False):
         self.stack, self.target_dir, self.info, self.p = stack, target_dir, info, p
         self.memory_share, self.tensor_parallel_size = memory_share, tensor_parallel_size
+        self.expert_parallel = expert_parallel
         self.running: dict[str, object] = {}
 
     def _get(self, name: str):
@@ -264,7 +270,7 @@ class _Engines:
             self.running[name] = self.stack.enter_context(get_engine(
                 name, self.target_dir, dtype=p.engine_dtype, batch_size=p.batch_size, info=self.info,
                 quantization=p.quantization, memory_share=self.memory_share,
-                tensor_parallel_size=self.tensor_parallel_size))
+                tensor_parallel_size=self.tensor_parallel_size, expert_parallel=self.expert_parallel))
         return self.running[name]
 
     def capture(self):
@@ -315,6 +321,7 @@ class _ShardWork:
     memory_share: float = 1.0  # of the GPU memory a vLLM instance asks for (1/n for n workers)
     tensor_parallel_size: int = 1  # GPUs (CPU core groups) each engine instance shards the target over
     writes: bool = True  # False on the ranks of an hf tensor-parallel replica but its first: they compute, it writes
+    expert_parallel: bool = False  # an MoE target's experts split over those ranks
 
     def run(self, chunks: dict[int, list[dict]], timing: _Timing, bar=None, start_lock=None, stop=None) -> _Timing:
         """Extract and write shard i = each key of ``chunks`` with this process's engines; returns ``timing``.
@@ -328,7 +335,8 @@ class _ShardWork:
         p = self.p
         tok = AutoTokenizer.from_pretrained(self.target_dir)
         with ExitStack() as stack:
-            engines = _Engines(stack, self.target_dir, self.info, p, self.memory_share, self.tensor_parallel_size)
+            engines = _Engines(stack, self.target_dir, self.info, p, self.memory_share, self.tensor_parallel_size,
+                               self.expert_parallel)
             if start_lock is not None:
                 with start_lock:
                     if p.regenerate:

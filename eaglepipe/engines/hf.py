@@ -150,11 +150,14 @@ class HFEngine(Engine):
 
     def __init__(self, target_dir, dtype: str = "float32", device: str | None = None, batch_size: int = 16,
                  info=None, quantization: str | None = None, compile: bool = False, tensor_parallel_size: int = 1,
-                 **_):
+                 expert_parallel: bool = False, **_):
         super().__init__(target_dir, dtype, info)
         if tensor_parallel_size > 1 and compile:  # params refuse it first (online capture is one device's)
             raise ParamsError("the hf engine compiles its layers on one device only: tensor_parallel_size "
                               f"{tensor_parallel_size} with compile")
+        if expert_parallel:  # params refuse it first (eaglepipe/params.py); a direct caller here
+            raise ParamsError("the hf engine (transformers) has no expert parallelism: expert_parallel needs engine "
+                              "vllm or sglang")
         if quantization is not None:  # params refuse it first (eaglepipe/target/quantization.py); a direct caller here
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
                               f"quantization {quantization!r} needs engine vllm or sglang")

@@ -40,12 +40,13 @@ from pathlib import Path
 import torch
 
 from eaglepipe.contract import convention, draft_config
+from eaglepipe.engine_table import expert_parallel_refusal
 from eaglepipe.engines import serve
 from eaglepipe.engines.base import Engine, cpu_groups
 from eaglepipe.engines.serve import groups
 from eaglepipe.engines.sglang_probe import capture_server_args
 from eaglepipe.engines.sglang_worker import SHIM_ENV, SGLangError, Worker, worker_main
-from eaglepipe.errors import ConventionError, ServingUnavailable
+from eaglepipe.errors import ConventionError, ParamsError, ServingUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,12 @@ class SGLangEngine(Engine):
         seed: SGLang's ``random_seed``.
         tensor_parallel_size: SGLang's ``tp_size`` in every mode; on CPU ``SGLANG_CPU_OMP_THREADS_BIND`` gives
             each rank one core group of this process's cores (:func:`eaglepipe.engines.base.cpu_groups`).
+        expert_parallel: SGLang's ``ep_size`` = ``tp_size`` in every mode: an MoE target's experts split over the
+            tensor-parallel ranks (SGLang's EP group lives inside its TP group:
+            sglang/srt/arg_groups/parallel_hook.py; each rank holds ``num_experts / ep_size`` whole experts,
+            sglang/srt/layers/moe/fused_moe_triton/layer.py). Params refuse it on a dense target and at
+            tensor_parallel_size 1 first (eaglepipe/params.py, stages/target.py). Raises ParamsError on a CPU,
+            where SGLang's CPU MoE cannot run it (:func:`eaglepipe.engine_table.expert_parallel_refusal`).
         log_level: SGLang's log level inside the worker ("error" keeps test output clean).
         start_timeout: seconds one request to the worker may take before it is declared hung.
         engine_kwargs: further ``sglang.Engine`` server arguments for every instance, over those in the
@@ -107,12 +114,16 @@ class SGLangEngine(Engine):
         self, target_dir, dtype: str = "float32", device: str | None = None, max_total_tokens: int = 8192,
         capture_ids: list[int] | None = None, seed: int = 0, log_level: str = "error",
         start_timeout: float = 900, engine_kwargs: dict | None = None, info=None,
-        quantization: str | None = None, tensor_parallel_size: int = 1, **_,
+        quantization: str | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False, **_,
     ):
         super().__init__(target_dir, dtype, info)
         self.quantization = quantization
         self.tensor_parallel_size = tensor_parallel_size
+        self.expert_parallel = expert_parallel
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # stages/target.py refuses it first; a direct caller here (ParamsError, not a crashed worker)
+        if expert_parallel and (why := expert_parallel_refusal("sglang", self.device == "cuda")):
+            raise ParamsError(f"expert_parallel: {why}")
         self.max_total_tokens = max_total_tokens
         self.capture_ids = sorted(set(capture_ids or []))
         self.seed = seed
@@ -147,6 +158,8 @@ class SGLangEngine(Engine):
             disable_radix_cache=True, max_total_tokens=self.max_total_tokens, log_level=self.log_level,
             tp_size=self.tensor_parallel_size,
         )
+        if self.expert_parallel:
+            kw["ep_size"] = self.tensor_parallel_size
         if self.device == "cpu":  # one core group per rank, set before the worker (and its ranks) start
             os.environ[CPU_BIND_ENV] = cpu_groups(self.tensor_parallel_size)
         kw.update(self.engine_kwargs)

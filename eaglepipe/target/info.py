@@ -23,6 +23,7 @@ from pathlib import Path
 
 from eaglepipe.atomic import atomic_dir
 from eaglepipe.contract import convention
+from eaglepipe.engine_table import expert_parallel_refusal
 from eaglepipe.errors import ConventionError, ParamsError
 from eaglepipe.model.rope import rope_parameters
 from eaglepipe.target.config import lm_fields, read_target_config
@@ -178,6 +179,58 @@ def check_fits(weights: int, tensor_parallel_size: int, gpu_bytes: int, gpus: in
         f"{per_gpu / GIB:.1f} GiB per GPU, above {WEIGHT_SHARE:.0%} of one GPU's {gpu_bytes / GIB:.1f} GiB (the "
         f"rest is the engine's KV cache): set tensor_parallel_size: {fits} ({weights / fits / GIB:.1f} GiB per "
         f"GPU; {where})")
+
+
+# config keys that count a target's routed experts, in the order vLLM 0.32 reads them
+# (vllm/transformers_utils/model_arch_config_convertor.py ``get_num_experts``; ``ModelConfig.is_moe``: > 0)
+EXPERT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+
+
+def num_experts(config) -> int:
+    """Routed experts per MoE layer of a transformers config (its text config), 0 for a dense target."""
+    text = config.get_text_config()
+    n = next((getattr(text, k) for k in EXPERT_KEYS if getattr(text, k, None)), 0)
+    return int(n[0] if isinstance(n, list) else n)
+
+
+def require_expert_parallel(config, source: str, tensor_parallel_size: int, uses: dict[str, list[str]],
+                            cuda: bool) -> None:
+    """Refuse ``expert_parallel: true`` where it cannot run, before any engine starts. Raises ParamsError (exit 2).
+
+    Args:
+        config: the target's transformers config. source: params ``target.source`` (for the message).
+        tensor_parallel_size: params ``tensor_parallel_size`` (params refuse 1 first: eaglepipe/params.py).
+        uses: engine → the params that run the target in it (extract.engine, extract.regenerate_engine,
+            framework), e.g. {"vllm": ["extract.engine: vllm", "framework: vllm"]}.
+        cuda: the engines run on CUDA GPUs here (else on the CPU).
+    Refused, each naming what to change:
+        - an engine that offers no expert parallelism on this device (the engine file that decides:
+          :func:`eaglepipe.engine_table.expert_parallel_refusal`);
+        - a dense target (none of :data:`EXPERT_KEYS`): vLLM turns expert parallelism on only for MoE layers
+          (vllm/model_executor/layers/fused_moe/config.py ``FusedMoEParallelConfig.make``) and SGLang's
+          ``ep_size`` splits only MoE layers' experts, so the param would do nothing;
+        - with sglang in ``uses``, experts that do not split evenly over the ranks (SGLang asserts it:
+          sglang/srt/layers/moe/fused_moe_triton/layer.py ``_num_global_routed % storage_ep_size == 0``; vLLM gives
+          the first ranks one more: vllm/model_executor/layers/fused_moe/expert_map_manager.py).
+    """
+    refused = [f"{', '.join(uses[e])}: {why}" for e in uses if (why := expert_parallel_refusal(e, cuda))]
+    if refused:
+        where = "" if cuda else " on this machine's CPU"
+        raise ParamsError(f"expert_parallel: true cannot run{where}: " + "; ".join(refused) + ". Set "
+                          "expert_parallel: false (tensor_parallel_size alone shards the experts' weights)"
+                          + ("" if cuda else ", or run on CUDA GPUs"))
+    n = num_experts(config)
+    if not n:
+        raise ParamsError(
+            f"expert_parallel: true, but target.source {str(source)!r} (model_type {config.model_type!r}) is a "
+            f"dense model with no experts ({' / '.join(EXPERT_KEYS)} absent or 0 in its config.json): set "
+            "expert_parallel: false (tensor_parallel_size alone shards a dense target)")
+    if "sglang" in uses and n % tensor_parallel_size:
+        raise ParamsError(
+            f"expert_parallel: true splits the {n} experts of target.source {str(source)!r} over "
+            f"tensor_parallel_size {tensor_parallel_size} ranks, which SGLang needs to divide them evenly "
+            f"(sglang/srt/layers/moe/fused_moe_triton/layer.py): set tensor_parallel_size to a divisor of {n}, "
+            f"use vllm in place of sglang ({', '.join(uses['sglang'])}), or set expert_parallel: false")
 
 
 def target_family(hf_config: dict) -> str:

@@ -5,7 +5,7 @@ It is extract's own capture path, through the engine that extracted the store (t
 - ``hf``: :class:`eaglepipe.engines.hf.HFEngine` on the training device (its boundary hooks on the decoder
   layers, its length-sorted right-padded batches, in ``extract.engine_dtype``);
 - ``vllm`` / ``sglang``: the serving engine in its own processes, with its own parallelism (the manifest's
-  ``tensor_parallel_size``): the trainer holds no copy of the target, and the capture is the one
+  ``tensor_parallel_size`` and ``expert_parallel``): the trainer holds no copy of the target, and the capture is the one
   validate_offsets gates. The hand-over is bounded: one row's states at a time (vLLM's connector file of a
   request is read and removed at once; SGLang returns them through its worker's pipe), and the data thread's
   prefetch queue (:class:`eaglepipe.train.stream.BatchStream`) blocks the capture when training falls behind.
@@ -90,11 +90,12 @@ class OnlineCapture:
 
 def _capture_engine(target_dir: str | Path, manifest: dict, device: torch.device, compile: bool):
     """The manifest's extract engine on the target: hf on ``device``; vllm / sglang started as extract started
-    them (dtype, quantization, tensor_parallel_size from the manifest)."""
+    them (dtype, quantization, tensor_parallel_size and expert_parallel from the manifest)."""
     from eaglepipe.engines import get_engine
 
     name = manifest.get("engine", "hf")
     if name == "hf":
         return get_engine("hf", target_dir, dtype=manifest["engine_dtype"], device=str(device), compile=compile)
     return get_engine(name, target_dir, dtype=manifest["engine_dtype"], quantization=manifest.get("quantization"),
-                      tensor_parallel_size=manifest.get("tensor_parallel_size", 1))
+                      tensor_parallel_size=manifest.get("tensor_parallel_size", 1),
+                      expert_parallel=manifest.get("expert_parallel", False))
