@@ -169,7 +169,7 @@ class TrainParams(_Strict):
                        "cross-entropy); same losses and gradients as the plain step. Online (a tokens "
                        "store) on CUDA it also compiles the target's decoder layers for the capture "
                        "(engines.hf.compile_layers)")
-    cuda_graph: bool = Field(True, description="with train.fast on CUDA, one process and grad_accum 1: the whole "
+    cuda_graph: bool = Field(False, description="with train.fast on CUDA, one process and grad_accum 1: the whole "
                              "optimizer step (soft targets, TTT unroll, backward, clipping, fused AdamW) replayed "
                              "as one CUDA graph per row shape (eaglepipe/train/graphed.py); same losses as the "
                              "eager fast step. Elsewhere the eager step runs, and the log says why")

@@ -23,7 +23,7 @@ def tiny_target(tmp_path_factory):
 
 
 def _fast(**kw) -> TrainParams:
-    return _params(fast=True, teacher_precision="tf32", **kw)
+    return _params(**{"fast": True, "teacher_precision": "tf32", "cuda_graph": True, **kw})
 
 
 def test_the_graph_applies_to_one_fast_cuda_process_without_accumulation():
