@@ -62,14 +62,20 @@ MODES = {"offline": ("features", {}), "online": ("tokens", {}),  # mode → (sto
          "online_serial": ("tokens", {"capture_stream": False})}
 
 
-def sequences(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """n (input_ids int64 (T,), loss_mask bool (T,)) with seeded lengths in [min_len, max_len]."""
+def sequences(n: int, min_len: int, max_len: int, vocab: int, seed: int,
+              prompt_share: tuple[float, float] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n (input_ids int64 (T,), loss_mask bool (T,)) with seeded lengths in [min_len, max_len], the loss after the
+    first half, or with ``prompt_share`` (lo, hi) after a seeded share in [lo, hi) of each sequence."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        prompt = T // 2
+        if prompt_share:
+            lo, hi = prompt_share
+            prompt = int(T * (lo + (hi - lo) * float(torch.rand((), generator=g))))
         ids = torch.randint(0, vocab, (T,), generator=g)
-        out.append((ids, torch.arange(T) >= T // 2))
+        out.append((ids, torch.arange(T) >= prompt))
     return out
 
 

@@ -33,7 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.online_train import SMOLLM2_SHAPES, fresh_run, write_stores  # noqa: E402
+from benchmarks.online_train import SMOLLM2_SHAPES, fresh_run, sequences, write_stores  # noqa: E402
 from eaglepipe.params import parse_params  # noqa: E402
 from eaglepipe.profiles import merge_profile  # noqa: E402
 from eaglepipe.target.info import read_info  # noqa: E402
@@ -41,18 +41,6 @@ from eaglepipe.train.loop import train_drafter  # noqa: E402
 
 MODES = {"offline_eager": ("features", False), "offline_graph": ("features", True),  # mode → (store, cuda_graph)
          "online_eager": ("tokens", False), "online_graph": ("tokens", True)}
-
-
-def sequences(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """n (input_ids int64 (T,), loss_mask bool (T,)): seeded lengths in [min_len, max_len], the loss on the part
-    after a seeded prompt share of 10–90 %."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        prompt = int(T * (0.1 + 0.8 * float(torch.rand((), generator=g))))
-        out.append((torch.randint(0, vocab, (T,), generator=g), torch.arange(T) >= prompt))
-    return out
 
 
 def gpu_profile_train(epochs: int):
@@ -94,7 +82,8 @@ def main() -> None:
         build("llama", target, **SMOLLM2_SHAPES)
     p = gpu_profile_train(a.epochs)
     engine_dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    seqs = sequences(a.samples, a.min_len, a.max_len, read_info(target, hash_weights=False).vocab_size, seed=0)
+    seqs = sequences(a.samples, a.min_len, a.max_len, read_info(target, hash_weights=False).vocab_size, seed=0,
+                     prompt_share=(0.1, 0.9))
     stores = write_stores(target, work, seqs, engine_dtype, "bfloat16", 256)
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     res = {"device": dev, "torch": torch.__version__, "target": "SmolLM2-135M shapes, random weights (N 30, H 576)",

