@@ -117,3 +117,64 @@ def test_graphed_step_refuses_a_batch_of_another_shape(draft):  # noqa: F811
     _, _, other, _ = _padded_case(700, 896)
     with pytest.raises(ValueError, match="one shape"):
         step(other.to("cuda"), [])
+
+
+@CUDA
+def test_a_capture_survives_another_thread_pinning_host_memory(draft):  # noqa: F811
+    """train_drafter's feature worker pins host batches while the step thread captures; a pinned allocation
+    (cudaHostAlloc) from another thread invalidated a capture in CUDA's global mode
+    (cudaErrorStreamCaptureInvalidated). Here a thread allocates pinned buffers of fresh sizes without pause,
+    emptying the pinned cache between rounds, all through two captures and their replays: every call's loss
+    equals an eager fast step's."""
+    import threading
+
+    from eaglepipe.train.graphed import GraphedStep
+    from eaglepipe.train.ttt import compile_draft, static_rows, ttt_unroll_fast
+
+    embed = torch.randn(99, 32, device="cuda")
+    _, _, pb, psoft = _padded_case(700, 768)
+    b = pb.to("cuda")
+    soft = dataclasses.replace(psoft, p=psoft.p.cuda(), top=psoft.top.cuda(), top_in_vocab=psoft.top_in_vocab.cuda())
+    eager, graphed = draft.cuda(), copy.deepcopy(draft).cuda()
+    for d in (eager, graphed):
+        compile_draft(d)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
+    params = list(graphed.parameters())
+    opt_g = torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
+
+    def body(batch, rows):
+        r = ttt_unroll_fast(graphed, embed, batch, soft, 3, 0.8, rows=rows)
+        r.loss.backward()
+        opt_g.step()
+        return r
+
+    stop, allocs = threading.Event(), [0]
+
+    def pin_without_pause():
+        kept = []
+        while not stop.is_set():
+            kept.append(torch.empty((1 << 18) + 64 * allocs[0], dtype=torch.uint8, pin_memory=True))
+            allocs[0] += 1
+            if len(kept) == 64:
+                kept.clear()
+                torch._C._host_emptyCache()  # the next round's buffers are new cudaHostAlloc calls
+
+    worker = threading.Thread(target=pin_without_pause, daemon=True)
+    worker.start()
+    try:
+        while allocs[0] == 0:
+            pass
+        step = GraphedStep(body, params, opt_g)
+        for later_reply in (False, False, True, True):  # two graphs: a capture and a replay each
+            if later_reply:
+                b.loss_mask[:, :600] = False
+            opt_e.zero_grad(set_to_none=True)
+            want = ttt_unroll_fast(eager, embed, b, soft, 3, 0.8)
+            want.loss.backward()
+            opt_e.step()
+            got = step(b, static_rows(b, soft.top_in_vocab, 3))
+            torch.testing.assert_close(got.loss, want.loss.detach(), rtol=1e-4, atol=1e-5)
+    finally:
+        stop.set()
+        worker.join()
+    assert len(step.graphs) == 2 and allocs[0] > 100

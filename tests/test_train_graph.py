@@ -3,6 +3,8 @@ step's losses, evaluations and draft; a graphed run resumes onto its own curve; 
 stops training before the update, as on the eager path. CUDA cases are skipped elsewhere with the reason; when the
 graph applies (eaglepipe.train.step.graph_refusal) is tested everywhere."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -90,3 +92,50 @@ def test_a_non_finite_loss_in_the_graph_stops_before_the_update(features, tiny_t
     ck = read_checkpoint(ckpt.parent)
     assert ck["state"].step == step - 1
     assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+@pytest.fixture(scope="module")
+def busy_stores(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """A peaked 4-layer Llama (head_dim 16) with the tiny chat tokenizer, and both stores of 160 conversations
+    extracted by the hf engine (shards of 8): enough rows that the feature worker is still reading, pinning and
+    (online) queueing rows while the step thread captures its graphs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eaglepipe.data.extract import extract
+    from eaglepipe.params import ExtractParams
+    from eaglepipe.target.info import read_info
+    from eaglepipe.target.tiny import tiny_conversations, tiny_tokenizer
+
+    torch.manual_seed(0)
+    target = tmp_path_factory.mktemp("busy_target")
+    LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=99, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    root, info, out = tmp_path_factory.mktemp("busy_stores"), read_info(target), {}
+    for store in ("features", "tokens"):
+        p = ExtractParams(engine="hf", regenerate=False, batch_size=16, shard_size=8, dtype="bfloat16", store=store)
+        extract(tiny_conversations(160, answer_words=12), target, info, [1, 2, 3], p, root / store / "features",
+                root / store / "scratch", "prompts-hash", gate_samples=3)
+        out[store] = root / store / "features"
+    return target, out
+
+
+@CUDA
+@pytest.mark.parametrize("store", ["features", "tokens"])
+def test_graphed_training_with_the_worker_busy_equals_the_eager_step(busy_stores, store, tmp_path):
+    """train_drafter itself, graphed, while its worker thread makes CUDA calls (pinned host batches; online, the
+    target's forward) during the captures — which invalidated a capture in CUDA's global mode
+    (cudaErrorStreamCaptureInvalidated): the run completes graphed, over many rows of a loss-masked,
+    length-packed store, and gives the eager step's losses and τ_sim."""
+    target, stores = busy_stores
+    p = _fast(epochs=2, batch_tokens=128, packing="length", draft_vocab_size=64)
+    eager = train_drafter(stores[store], target, tmp_path / "e", p.model_copy(update={"cuda_graph": False}),
+                          scratch_dir=tmp_path / "se")
+    graph = train_drafter(stores[store], target, tmp_path / "g", p, scratch_dir=tmp_path / "sg")
+    assert eager["cuda_graphs"] == 0 and graph["cuda_graphs"] >= 1
+    assert graph["steps"] == eager["steps"] >= 40
+    torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(eager["losses"]), rtol=2e-3, atol=1e-4)
+    for e, ev in eager["evals"].items():
+        assert graph["evals"][e]["tau_sim"] == pytest.approx(ev["tau_sim"], abs=2e-3)

@@ -12,7 +12,20 @@ the copies into the graph's input buffers. The pattern is PyTorch's whole-networ
 documentation: warm-up on a side stream, grads set to None before the capture so the backward writes them,
 ``capturable=True`` optimizers).
 
-Tests: the static step on the CPU (tests/test_ttt.py), the capture where CUDA runs (tests/test_graphed.py).
+Capture mode: ``thread_local`` (:data:`CAPTURE_ERROR_MODE`). train_drafter's feature worker thread
+(eaglepipe/train/stream.py) keeps making CUDA calls while the step thread captures: it pins host batches
+(``cudaHostAlloc`` when the pinned cache has no free block) and, online, runs the target's forward on a stream of
+its own (``cudaMalloc`` when the caching allocator grows). In CUDA's default ``global`` mode any thread's
+potentially unsafe call invalidates every capture in progress (cudaErrorStreamCaptureInvalidated; CUDA Runtime
+API, cudaStreamCaptureMode); ``thread_local`` prohibits them in the capturing thread only, which makes none. The
+worker's memory never lands in the graph's pool: during a capture PyTorch's caching allocator routes to the
+private pool only allocations made on a stream that is capturing this graph (``beginAllocateToPool``'s filter in
+c10/cuda/CUDACachingAllocator, set by at::cuda::CUDAGraph::capture_begin), the worker's streams are not, pinned
+host memory comes from a separate allocator, and the worker's batches are copied into the graph's input buffers
+by the step thread outside the capture.
+
+Tests: the static step on the CPU (tests/test_ttt.py), the capture where CUDA runs (tests/test_graphed.py),
+train_drafter graphed with its worker thread busy, offline and online, where CUDA runs (tests/test_train_graph.py).
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ from collections.abc import Callable
 import torch
 
 from eaglepipe.train.ttt import Batch, TTTResult
+
+CAPTURE_ERROR_MODE = "thread_local"  # other threads' CUDA calls leave a capture valid (module docstring)
 
 
 def _tensors(x) -> list[torch.Tensor]:
@@ -92,7 +107,8 @@ class GraphedStep:
         _restore(saved, self.params, self.opt)
         self.opt.zero_grad(set_to_none=True)  # the captured backward allocates the grads: written, not accumulated
         graph = torch.cuda.CUDAGraph()
-        with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(graph, pool=self.pool):
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.cuda.graph(
+                graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             out = self.fn(self.batch, rows)
         self.pool = self.pool or graph.pool()
         return graph, rows, dataclasses.replace(out, loss=out.loss.detach())
