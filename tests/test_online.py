@@ -133,7 +133,10 @@ def test_a_row_mixing_shards_is_read_shard_by_shard_with_the_same_values(stores)
 
 
 def test_online_features_equal_the_stored_ones(stores, peaked_target):
-    """Over the rows of an epoch: every element equal, or one bf16 rounding step apart (≤ 2^-7 relative)."""
+    """Over the rows of an epoch: ≥ 99.9 % of the elements bit-equal; the others one bf16 rounding step apart
+    (≤ 2^-7 relative), or, where a residual-stream element is a small difference of large terms, apart by fp32
+    rounding noise at the sample's scale (2^-16 of its largest |value|): another batch composition sums in
+    another order on some CPUs' kernels (seen on a 16-core host), and the cast to bf16 keeps the noise there."""
     ff, ft = FeatureSet(stores["features"]), FeatureSet(stores["tokens"])
     capture = OnlineCapture(peaked_target, ft.manifest, torch.device("cpu"))
     rows = epoch_rows([r.n_tokens for r in ft.refs], seed=0, epoch=0, max_tokens=160)
@@ -144,7 +147,8 @@ def test_online_features_equal_the_stored_ones(stores, peaked_target):
             stored = ff.read(ff.refs[ft.refs.index(ref)])
             for got, want in ((aux, stored.aux), (last, stored.last)):
                 assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
-                torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+                torch.testing.assert_close(got.float(), want.float(), rtol=2**-7,
+                                           atol=2**-16 * want.float().abs().max().item())
                 equal, total = equal + int((got == want).sum()), total + want.numel()
     assert equal >= 0.999 * total, f"{total - equal} of {total} elements differ"
 
@@ -416,7 +420,10 @@ json.dump(s["losses"], open(f"{out}.rank{torch.distributed.get_rank()}.json", "w
 
 
 def test_two_gloo_ranks_online_equal_one_process_with_grad_accum_2(stores, peaked_target, tmp_path):
-    """Each rank runs its own copy of the target on its rows; the result is the single process's."""
+    """Each rank runs its own copy of the target on its rows; the result is the single process's, to the
+    features' own rounding: a rank captures other batches than the single process, and on some CPUs' kernels
+    (a 16-core host) a few bf16 elements then round one step apart (test_online_features_equal_the_stored_ones),
+    which moved the losses by 5e-4 relative there. Without the gradients' all-reduce the two ranks' losses part."""
     import os
     import socket
 
@@ -433,4 +440,4 @@ def test_two_gloo_ranks_online_equal_one_process_with_grad_accum_2(stores, peake
         check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}, timeout=300, cwd=tmp_path)
     l0, l1 = (json.loads((tmp_path / f"two.rank{r}.json").read_text()) for r in (0, 1))
     assert l0 == l1 and len(l0) == len(one["losses"]) > 0
-    torch.testing.assert_close(torch.tensor(l0), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(l0), torch.tensor(one["losses"]), rtol=2e-3, atol=1e-5)
