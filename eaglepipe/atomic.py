@@ -5,6 +5,7 @@ Every writer in eaglepipe (feature shards, manifests, metrics, checkpoints, draf
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -12,16 +13,52 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from eaglepipe.errors import DiskFull
+
+FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left on the device; disk quota exceeded
+
+
+def is_full(e: BaseException) -> bool:
+    """Whether ``e`` says the file system is full: an OSError with ENOSPC/EDQUOT, or a writer that wraps it
+    (safetensors' SafetensorError "I/O error: No space left on device (os error 28)")."""
+    return getattr(e, "errno", None) in FULL or any(
+        f"os error {n}" in str(e) or os.strerror(n) in str(e) for n in FULL)
+
+
+def _size(n: int | None) -> str:
+    """Bytes in the largest binary unit that keeps them ≥ 1 ("24.0 KiB", "1.3 GiB")."""
+    if n is None:
+        return "an unknown amount"
+    unit = next(u for u in range(4, -1, -1) if n >= 1024**u or u == 0)
+    return f"{n / 1024**unit:,.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][unit]}"
+
+
+def disk_full(path: Path, need: int | None, at_least: bool = False) -> DiskFull:
+    """The DiskFull for a write of ``need`` bytes (None: unknown; ``at_least``: more than that) to ``path`` that ran
+    out of space: the file, the bytes needed and free on its file system (``shutil.disk_usage``), and that files
+    written before it are kept."""
+    where = next((q for q in (path, *path.parents) if q.exists()), Path("."))
+    free = shutil.disk_usage(where).free
+    needed = f"more than {_size(need)}" if at_least and need is not None else _size(need)
+    return DiskFull(f"no space left on the device writing {path}: {needed} needed, {_size(free)} free on the file "
+                    f"system of {where}. The unfinished file was removed; every file finished before it is kept "
+                    "whole (eaglepipe/atomic.py). Free space (or point data/ at a larger disk) and rerun: the stage "
+                    "resumes from its finished work")
+
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield ``<path>.tmp`` to write; when the block ends without error rename it over ``path``, else remove it."""
+def atomic_path(path: str | Path, size: int | None = None) -> Iterator[Path]:
+    """Yield ``<path>.tmp`` to write; when the block ends without error rename it over ``path``, else remove it.
+    ``size``: the bytes the block writes, where known. A full file system (ENOSPC, EDQUOT) raises
+    :class:`DiskFull` (:func:`disk_full`) instead of the OSError."""
     tmp = Path(str(path) + ".tmp")
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if is_full(e):
+            raise disk_full(Path(path), size) from None
         raise
 
 
@@ -34,11 +71,22 @@ def atomic_write_json(path: str | Path, obj) -> None:
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield an empty folder ``<path>.tmp`` to fill; when the block ends without error it replaces the folder
-    ``path`` (the old one is removed first, so the swap is not atomic, but ``path`` is never half-written)."""
+    ``path`` (the old one is removed first, so the swap is not atomic, but ``path`` is never half-written).
+    A full file system raises :class:`DiskFull` (:func:`disk_full`), the partial folder removed."""
     path = Path(path)
     tmp = Path(str(path) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    yield tmp
+    try:
+        yield tmp
+    except DiskFull:  # a file inside (atomic_path) said so already
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except BaseException as e:
+        if not is_full(e):
+            raise
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_full(path, written, at_least=True) from None
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

@@ -31,3 +31,11 @@ class TrainingError(EaglepipeError):
 
 class ServingUnavailable(EaglepipeError):
     """This engine cannot serve an EAGLE-3 draft on this machine (serve_eval records the reason, never a figure)."""
+
+
+class InputMissing(EaglepipeError):
+    """A stage's input path does not exist: names it and the stage that writes it."""
+
+
+class DiskFull(EaglepipeError):
+    """The file system filled up while a stage wrote: names the file, the bytes needed and free, what was kept."""

@@ -30,6 +30,8 @@ class TargetParams(_Strict):
                         "name 'smollm2-135m-instruct'; a DVC dependency, so its contents are hashed")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the weights written "
                                                              "to data/target/")
+    chat_template: str = Field("", description="a Jinja chat template for a tokenizer shipped without one (or to "
+                               "replace its own), written to data/target/chat_template.jinja; '' keeps the tokenizer's")
 
 
 class PromptsParams(_Strict):

@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 from eaglepipe.serving.export import export_all
-from eaglepipe.stage import run, start
+from eaglepipe.stage import require_inputs, run, start
 
 
 def main():
     p = start("export")
     target_dir, drafter_dir, out_dir = map(Path, sys.argv[1:4])
+    require_inputs(target_dir, drafter_dir)
     export_all(drafter_dir, target_dir, out_dir, p.layers, p.framework)
 
 

@@ -27,13 +27,14 @@ from eaglepipe.data.prompts import read_jsonl
 from eaglepipe.engines.hf import check_tensor_parallel
 from eaglepipe.params import check_layers_against_target
 from eaglepipe.serving.servable import require_servable
-from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
+from eaglepipe.stage import require_inputs, run, scratch_dir_of, start, write_metrics
 from eaglepipe.target.info import read_info
 
 
 def main():
     p = start("extract")
     target_dir, train_file, out_dir, metrics = map(Path, sys.argv[1:5])
+    require_inputs(target_dir, train_file)
     info = read_info(target_dir, hash_weights=False)  # the checks need its config only
     check_layers_against_target(p.layers, info.n_layers)
     # Before any compute: a layer list the serving engine cannot express stops here (exit 2); one the other
@@ -46,7 +47,7 @@ def main():
         check_tensor_parallel(target_dir, layout.tp)  # a family transformers cannot shard stops here (exit 2)
     replica = Replica.from_env(tp=layout.tp)
     if replica.world == 1 and layout.procs > 1:
-        relaunch(layout.procs, layout.devices)  # does not return: this process becomes torchrun
+        relaunch(layout.procs, layout.devices, tp=layout.tp)  # does not return: this process becomes torchrun
     place(replica, layout.devices, p.extract.workers)  # this rank's GPUs (or cores), before any engine
     info = read_info(target_dir)  # with the weights' hash, which keys the shards
     prompts_hash = hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]

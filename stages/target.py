@@ -8,7 +8,8 @@ capture is refused here, naming the engine file: eaglepipe/target/capture_check.
 `expert_parallel` (a dense target, or an engine without it on this device, is refused here:
 eaglepipe/target/info.py require_expert_parallel); writes OUT_DIR
 (config, tokenizer + chat template, the weights linked or a GGUF dequantized) and METRICS_JSON (N, hidden size,
-vocab, dtype, content hash).
+vocab, dtype, content hash). A local folder is checked whole first (eaglepipe/target/folder_check.py: weight files
+and their headers, tensor names, tokenizer and chat template or `target.chat_template`, generation config).
 """
 
 import shutil
@@ -21,6 +22,7 @@ import torch
 from eaglepipe.errors import ParamsError
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target.capture_check import capture_uses, require_capturable
+from eaglepipe.target.folder_check import check_folder, check_tokenizer
 from eaglepipe.target.info import (check_fits, load_config, materialize_target, refuse_hf_on_quantized,
                                    require_expert_parallel, weight_bytes)
 
@@ -42,16 +44,20 @@ def check_config(p, config, source: str) -> None:
 def main():
     p = start("target")
     out_dir, metrics = sys.argv[1:3]
-    if Path(p.target.source).is_dir():  # a local HF folder: its refusals come before anything is written
-        refuse_hf_on_quantized(p.target.source, ["extract.engine: hf"] if p.extract.engine == "hf" else [])
-        check_config(p, load_config(Path(p.target.source)), p.target.source)
+    source, template = Path(p.target.source), p.target.chat_template
+    if source.is_dir():  # a local HF folder: checked whole before anything is written
+        refuse_hf_on_quantized(source, ["extract.engine: hf"] if p.extract.engine == "hf" else [])
+        config = load_config(source)
+        check_config(p, config, p.target.source)
+        check_folder(source, config, config.get_text_config().vocab_size, template)
         if torch.cuda.is_available():  # on a CPU the engines hold every rank's shard in one host's memory
-            check_fits(weight_bytes(p.target.source), p.tensor_parallel_size,
+            check_fits(weight_bytes(source), p.tensor_parallel_size,
                        torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())
-    info = materialize_target(p.target.source, out_dir, p.target.dtype)
-    if not Path(p.target.source).is_dir():  # a GGUF: its config exists once dequantized
+    info = materialize_target(p.target.source, out_dir, p.target.dtype, template)
+    if not source.is_dir():  # a GGUF: its config and tokenizer exist once dequantized
         try:
             check_config(p, load_config(Path(out_dir)), p.target.source)
+            check_tokenizer(Path(out_dir), template)
         except ParamsError:
             shutil.rmtree(out_dir)
             raise

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from eaglepipe.data.features import FeatureSet
-from eaglepipe.stage import run, scratch_dir_of, start, write_metrics
+from eaglepipe.stage import require_inputs, run, scratch_dir_of, start, write_metrics
 from eaglepipe.train.distributed import launch_ranks
 from eaglepipe.train.loop import train_drafter
 
@@ -25,6 +25,7 @@ def main():
     if code is not None:
         raise SystemExit(code)
     features, target_dir, out_dir, metrics, report, live_dir = map(Path, sys.argv[1:7])
+    require_inputs(features, target_dir)
     FeatureSet(features).require_layers(p.layers)
     summary = train_drafter(features, target_dir, out_dir, p.train, scratch_dir=scratch_dir_of(out_dir),
                             live_dir=live_dir)

@@ -19,13 +19,14 @@ from eaglepipe.contract.validate import check_offsets, reference_capture, requir
 from eaglepipe.data.features import FeatureSet
 from eaglepipe.engines import get_engine
 from eaglepipe.serving.servable import require_servable
-from eaglepipe.stage import run, start, write_metrics
+from eaglepipe.stage import require_inputs, run, start, write_metrics
 from eaglepipe.target.info import read_info
 
 
 def main():
     p = start("validate_offsets")
     target_dir, features_dir, ok_json, metrics, report_json, cosine_csv = map(Path, sys.argv[1:7])
+    require_inputs(target_dir, features_dir)
     fs = FeatureSet(features_dir)
     fs.require_layers(p.layers)
     info = read_info(target_dir, hash_weights=False)

@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -53,6 +51,7 @@ from typing import NoReturn
 import torch
 
 from eaglepipe.errors import ParamsError
+from eaglepipe.host import visible_gpus
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +136,13 @@ class Replica:
 ALONE = Replica()
 
 
-def relaunch(nproc_per_node: int, tensor_parallel_size: int, argv: list[str] | None = None) -> NoReturn:
+def relaunch(nproc_per_node: int, tensor_parallel_size: int, argv: list[str] | None = None, tp: int = 1) -> NoReturn:
     """Replace this process by ``python -m torch.distributed.run --standalone --nproc_per_node N <argv>``: the
     same script with the same arguments as N ranks on this host. The exit code is torchrun's (non-zero when a
     rank failed; its message is in the rank's output). Raises ParamsError, before launching anything, when this
-    host cannot give N replicas ``tensor_parallel_size`` GPUs (or cores) each (:func:`share_of`)."""
-    share_of(Replica(nproc_per_node - 1, nproc_per_node, nproc_per_node - 1, nproc_per_node), tensor_parallel_size)
+    host cannot give N replicas ``tensor_parallel_size`` GPUs (or cores) each (:func:`share_of`); ``tp``: the
+    ranks that form one replica (:class:`Layout`), named so in that message."""
+    share_of(Replica(nproc_per_node - 1, nproc_per_node, nproc_per_node - 1, nproc_per_node, tp), tensor_parallel_size)
     argv = sys.argv if argv is None else argv
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),
            *argv]
@@ -150,19 +150,6 @@ def relaunch(nproc_per_node: int, tensor_parallel_size: int, argv: list[str] | N
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os.execv(sys.executable, cmd)
-
-
-def visible_gpus(env: Mapping[str, str] = os.environ) -> list[str]:
-    """The GPUs this process may use, without starting CUDA (after which CUDA_VISIBLE_DEVICES would be ignored):
-    CUDA_VISIBLE_DEVICES's entries when set, else ``nvidia-smi``'s indices, else [] (a host without GPUs)."""
-    if "CUDA_VISIBLE_DEVICES" in env:
-        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
-                         check=False)
-    return out.stdout.split() if out.returncode == 0 else []
 
 
 def devices_of(replica: Replica, tensor_parallel_size: int, gpus: list[str]) -> list[str]:
@@ -186,8 +173,10 @@ def share_of(replica: Replica, tensor_parallel_size: int) -> tuple[str, list]:
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // replica.local_world
     if share < tensor_parallel_size:
-        raise ParamsError(f"{replica.local_world} extraction replicas at tensor_parallel_size {tensor_parallel_size} "
-                          f"on a CPU need a core per tensor-parallel rank; this host gives them {len(cores)} ({cores})")
+        what = (f"{replica.tp} tensor-parallel ranks of one hf replica" if replica.tp > 1 else
+                f"{replica.local_world} extraction replicas at tensor_parallel_size {tensor_parallel_size}")
+        raise ParamsError(f"{what} on a CPU need a core per tensor-parallel rank; this host gives them {len(cores)} "
+                          f"({cores}): set tensor_parallel_size × extract.nproc_per_node ≤ {len(cores)}")
     return "cores", cores[replica.local_rank * share:(replica.local_rank + 1) * share]
 
 

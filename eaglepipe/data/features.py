@@ -139,7 +139,7 @@ def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str,
         offset += len(raw)
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path, 8 + len(head) + offset) as tmp, open(tmp, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for raw in blobs:

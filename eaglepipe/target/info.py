@@ -299,7 +299,7 @@ def reference_target(folder: Path, out_dir: Path) -> None:
             config.save_pretrained(tmp)
 
 
-def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32") -> TargetInfo:
+def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32", chat_template: str = "") -> TargetInfo:
     """Write the target as an HF folder (safetensors, config, tokenizer with chat template) at ``out_dir``.
 
     Args:
@@ -310,6 +310,8 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
             the weights' hash is recorded in it (:data:`HASH_FILE`).
         dtype: "float32" | "bfloat16" | "float16" of a dequantized GGUF's saved weights (a referenced folder
             keeps its own; the engines compute in their ``engine_dtype``).
+        chat_template: params ``target.chat_template``: when set, written as ``chat_template.jinja``, which
+            transformers' tokenizer then loads as its template.
     Raises:
         ParamsError: unknown source name, missing package, a path without config.json, a model_type that
             neither transformers nor LOAD_AS knows, a config without model_type, or a RoPE the draft
@@ -326,6 +328,8 @@ def materialize_target(source: str, out_dir: str | Path, dtype: str = "float32")
     else:
         raise ParamsError(f"target.source {source!r} is neither a bundled target ({', '.join(BUNDLED)}), "
                           "a .gguf file nor a local HF folder with a config.json")
+    if chat_template:
+        (out_dir / "chat_template.jinja").write_text(chat_template)
     (out_dir / HASH_FILE).write_text(weights_hash(out_dir) + "\n")  # read back by every extraction rank
     info = read_info(out_dir, source)
     log.info("target: %s", asdict(info))
