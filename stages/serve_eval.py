@@ -48,7 +48,7 @@ def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, 
 def main():
     p = start("serve_eval")
     target_dir, drafter_dir, export_dir, eval_file, metrics, report_json, acc_csv = map(Path, sys.argv[1:8])
-    require_inputs(target_dir, drafter_dir, export_dir, eval_file)
+    require_inputs(target_dir, drafter_dir, eval_file, *([export_dir] if p.framework in SERVING else []))
     s = p.serve
     prompts = eval_prompts(AutoTokenizer.from_pretrained(target_dir), read_jsonl(eval_file), s.prompts)
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],

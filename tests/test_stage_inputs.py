@@ -176,7 +176,7 @@ READS = {
                        "dvclive"], [0, 1]),
     "export": (["data/target", "data/drafter", "data/export"], [0, 1]),
     "serve_eval": (["data/target", "data/drafter", "data/export", "data/prompts/eval.jsonl", "metrics/serve_eval.json",
-                    "reports/serve_eval.json", "metrics/serve_acceptance.csv"], [0, 1, 2, 3]),
+                    "reports/serve_eval.json", "metrics/serve_acceptance.csv"], [0, 1, 2, 3]),  # export: framework vllm
 }
 
 
