@@ -33,17 +33,22 @@ def _size(n: int | None) -> str:
     return f"{n / 1024**unit:,.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][unit]}"
 
 
-def disk_full(path: Path, need: int | None, at_least: bool = False) -> DiskFull:
-    """The DiskFull for a write of ``need`` bytes (None: unknown; ``at_least``: more than that) to ``path`` that ran
-    out of space: the file, the bytes needed and free on its file system (``shutil.disk_usage``), and that files
-    written before it are kept."""
+def disk_full(path: Path, need: int | None, whole_folder: bool = False) -> DiskFull:
+    """The DiskFull for a write of ``need`` bytes (None: unknown) to ``path`` that ran out of space: the file, the
+    bytes needed and free on its file system (``shutil.disk_usage``), and the finished files beside it (a stage's
+    shards or checkpoints), kept for the rerun. ``whole_folder``: ``path`` is a folder written whole
+    (:func:`atomic_dir`), of which ``need`` bytes had been written."""
     where = next((q for q in (path, *path.parents) if q.exists()), Path("."))
     free = shutil.disk_usage(where).free
-    needed = f"more than {_size(need)}" if at_least and need is not None else _size(need)
+    if whole_folder:
+        needed, kept = f"more than {_size(need)}", "nothing of it was kept"
+    else:
+        done = [f for f in path.parent.glob("*") if f.is_file() and not f.name.endswith(".tmp")]
+        needed, kept = _size(need), f"Kept for the rerun: {len(done)} finished files in {path.parent}"
     return DiskFull(f"no space left on the device writing {path}: {needed} needed, {_size(free)} free on the file "
-                    f"system of {where}. The unfinished file was removed; every file finished before it is kept "
-                    "whole (eaglepipe/atomic.py). Free space (or point data/ at a larger disk) and rerun: the stage "
-                    "resumes from its finished work")
+                    f"system of {where}. The unfinished file was removed. {kept} (eaglepipe/atomic.py writes each "
+                    "file whole). Free space (or point data/ at a larger disk) and rerun: the stage resumes from its "
+                    "finished work")
 
 
 @contextmanager
@@ -87,6 +92,6 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             raise
         written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(tmp, ignore_errors=True)
-        raise disk_full(path, written, at_least=True) from None
+        raise disk_full(path, written, whole_folder=True) from None
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

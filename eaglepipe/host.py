@@ -2,10 +2,8 @@
 first stage that runs on the machine, before any engine or model starts.
 
 Each engine process group needs, on a GPU host, one GPU per rank and, on a CPU host, one core per rank:
-- extraction (``extract.engine``, and ``extract.regenerate_engine`` when regenerating): vllm / sglang run
-  ``extract.nproc_per_node`` replicas of ``tensor_parallel_size`` ranks (eaglepipe/data/distributed_extract.py
-  ``Layout``); hf at ``tensor_parallel_size`` T > 1 runs T ranks of one replica (transformers' tp_plan); hf at 1
-  runs ``extract.nproc_per_node`` replicas of one rank;
+- extraction (``extract.engine``, and ``extract.regenerate_engine`` when regenerating): the processes and
+  devices of its :class:`Layout`;
 - the serving engine (``framework``: validate_offsets, serve_eval) runs one replica of ``tensor_parallel_size``;
 - training runs ``train.nproc_per_node`` ranks (eaglepipe/train/distributed.py).
 vLLM's and SGLang's CPU backends bind a core group per tensor-parallel rank (eaglepipe/engines/base.py
@@ -18,8 +16,32 @@ import os
 import shutil
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from eaglepipe.errors import ParamsError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How extraction maps onto torchrun processes on one host.
+
+    procs: processes per host (torchrun's ``--nproc_per_node`` when the stage re-launches itself);
+    devices: GPUs (or core groups) each process is given; tp: processes that form one engine replica (1, except
+    the hf engine at tensor_parallel_size T > 1: T processes of one GPU each, transformers' own tensor parallelism).
+    """
+
+    procs: int
+    devices: int
+    tp: int = 1
+
+    @classmethod
+    def of(cls, engine: str, nproc_per_node: int, tensor_parallel_size: int) -> Layout:
+        """vllm / sglang: ``nproc_per_node`` replicas of ``tensor_parallel_size`` GPUs each (the engine starts its own
+        tensor-parallel workers). hf at T > 1: T processes, one GPU each, one replica (params refuse
+        ``nproc_per_node`` > 1 with it)."""
+        if engine == "hf" and tensor_parallel_size > 1:
+            return cls(tensor_parallel_size, 1, tensor_parallel_size)
+        return cls(nproc_per_node, tensor_parallel_size)
 
 
 def visible_gpus(env: Mapping[str, str] = os.environ) -> list[str]:
@@ -36,13 +58,13 @@ def visible_gpus(env: Mapping[str, str] = os.environ) -> list[str]:
 
 
 def ranks_of(engine: str, nproc_per_node: int, tensor_parallel_size: int) -> tuple[int, str]:
-    """(processes × ranks an extraction with ``engine`` runs on this host, what they are in words)."""
-    t, n = tensor_parallel_size, nproc_per_node
-    if engine == "hf" and t > 1:
-        return t, f"{t} tensor-parallel ranks of one hf replica"
-    if t == 1:
-        return n, f"{n} replica{'s' if n > 1 else ''} of one rank"
-    return n * t, f"{n} replica{'s' if n > 1 else ''} × {t} tensor-parallel ranks"
+    """(GPUs or cores an extraction with ``engine`` takes on this host, its :class:`Layout`, in words)."""
+    lay = Layout.of(engine, nproc_per_node, tensor_parallel_size)
+    if lay.tp > 1:
+        return lay.procs, f"{lay.tp} tensor-parallel ranks of one hf replica"
+    replicas = f"{lay.procs} replica{'s' if lay.procs > 1 else ''}"
+    return lay.procs * lay.devices, (f"{replicas} of one rank" if lay.devices == 1 else
+                                     f"{replicas} × {lay.devices} tensor-parallel ranks")
 
 
 def layout_refusal(p, gpus: int, cores: int) -> str | None:

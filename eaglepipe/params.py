@@ -282,7 +282,7 @@ def hf_tensor_parallel_problem(p: Params) -> str | None:
     """Why these params cannot run the hf engine at ``tensor_parallel_size`` T > 1, or None.
 
     Built: extraction (``extract.engine: hf``), whose stage runs as T torchrun ranks forming one hf replica
-    (transformers' ``tp_plan="auto"``; eaglepipe/data/distributed_extract.py ``Layout``), regenerating with the
+    (transformers' ``tp_plan="auto"``; eaglepipe/host.py ``Layout``), regenerating with the
     same hf replica. Not built: hf as ``framework`` (validate_offsets, serve_eval's reference decoder), the
     trainer's online hf capture (``extract.store: tokens``), another engine inside hf's ranks, and several hf
     replicas (transformers 5.x's mesh is (pp, fsdp, tp) over the whole world:

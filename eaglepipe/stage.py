@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from eaglepipe.atomic import atomic_write_json
-from eaglepipe.errors import DiskFull, EaglepipeError, InputMissing, ParamsError
+from eaglepipe.errors import EaglepipeError, InputMissing, ParamsError
 from eaglepipe.params import Params, load_params
 
 # The pipeline's outputs that stages read, and the stage that writes each (dvc.yaml's outs; tests/test_stage_inputs.py
@@ -17,7 +17,6 @@ from eaglepipe.params import Params, load_params
 WRITTEN_BY = {"data/params_ok.json": "check_params", "data/target": "target", "data/prompts": "prompts",
               "data/features": "extract", "data/validated.json": "validate_offsets", "data/drafter": "train_drafter",
               "data/export": "export"}
-_STAGE = {"name": "", "scratch": None}  # this process's stage (start) and where it keeps unfinished work
 
 
 def writer_of(path: str | Path) -> str | None:
@@ -34,13 +33,17 @@ def require_inputs(*paths: str | Path) -> None:
             stage = writer_of(path)
             how = (f"stage `{stage}` writes it: run `dvc repro {stage}` (or `dvc repro` for the whole pipeline)"
                    if stage else "it is not written by any stage of dvc.yaml: check the path")
-            raise InputMissing(f"stage `{_STAGE['name']}` reads {path}, which does not exist; {how}")
+            raise InputMissing(f"stage `{_stage()}` reads {path}, which does not exist; {how}")
+
+
+def _stage() -> str:
+    """This process's stage: its script's name (stages/<stage>.py)."""
+    return Path(sys.argv[0]).stem
 
 
 def start(name: str) -> Params:
     """Configure logging and return validated params; on a params error print it and exit 2 (nothing written)."""
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(name)s: %(message)s")
-    _STAGE["name"] = name
     try:
         return load_params()
     except EaglepipeError as e:
@@ -53,50 +56,40 @@ def scratch_dir_of(out_dir: str | Path) -> Path:
     beside it under ``.scratch/`` (data/drafter → data/.scratch/drafter), outside what DVC hashes, so a run
     killed midway resumes it (extract's shards, train_drafter's checkpoints)."""
     out_dir = Path(out_dir)
-    _STAGE["scratch"] = out_dir.parent / ".scratch" / out_dir.name
-    return _STAGE["scratch"]
-
-
-def _kept() -> str:
-    """What a failed stage leaves to resume from: the finished files in its scratch folder."""
-    scratch = _STAGE["scratch"]
-    if scratch is None or not Path(scratch).is_dir():
-        return ""
-    done = [f for f in Path(scratch).rglob("*") if f.is_file() and not f.name.endswith(".tmp")]
-    return f". Kept for the rerun: {len(done)} finished files under {scratch}"
+    return out_dir.parent / ".scratch" / out_dir.name
 
 
 def run(main) -> None:
     """Call ``main()``; an EaglepipeError becomes its message on stderr (no traceback) and exit code 2 for a
-    params/target problem (ParamsError, e.g. a target family or RoPE no engine can serve), else 1. So do, as one
-    line and exit 1, what no check can foresee: a file missing (FileNotFoundError, named with the stage that writes
-    it), the disk filling up (an OSError ENOSPC/EDQUOT not already a DiskFull) and memory running out
-    (MemoryError, torch.OutOfMemoryError), each with the finished work kept for the rerun."""
+    params/target problem (ParamsError, e.g. a target family or RoPE no engine can serve), else 1 (a full disk
+    while writing through eaglepipe/atomic.py is a DiskFull). So do, as one line and exit 1, what no check can
+    foresee: a file missing (FileNotFoundError, named with the stage that writes it), the disk filling up where a
+    writer outside eaglepipe/atomic.py hit it (ENOSPC, EDQUOT) and memory running out (MemoryError,
+    torch.OutOfMemoryError); files written whole before it stay for the rerun."""
     from eaglepipe.atomic import is_full
 
     try:
         main()
     except EaglepipeError as e:
-        kept = _kept() if isinstance(e, DiskFull) else ""
-        print(f"error: {e}{kept}{'.' if kept else ''}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2 if isinstance(e, ParamsError) else 1)
     except FileNotFoundError as e:
         stage = writer_of(e.filename) if e.filename else None
         how = f"; stage `{stage}` writes it: run `dvc repro {stage}`" if stage else ""
-        print(f"error: stage `{_STAGE['name']}`: no such file or folder: {e.filename or e}{how}", file=sys.stderr)
+        print(f"error: stage `{_stage()}`: no such file or folder: {e.filename or e}{how}", file=sys.stderr)
         raise SystemExit(1)
     except OSError as e:
         if not is_full(e):
             raise
-        print(f"error: stage `{_STAGE['name']}`: no space left on the device ({e}){_kept()}. Free space and rerun: "
-              "the stage resumes from its finished work", file=sys.stderr)
+        print(f"error: stage `{_stage()}`: no space left on the device ({e}). Free space and rerun: the stage "
+              "resumes from the work it finished", file=sys.stderr)
         raise SystemExit(1)
     except Exception as e:  # memory: MemoryError, torch.OutOfMemoryError (CUDA), known without importing torch
         if not isinstance(e, MemoryError) and type(e).__name__ != "OutOfMemoryError":
             raise
-        print(f"error: stage `{_STAGE['name']}` ran out of memory ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
-              f"{_kept()}. Lower its batch params (extract.batch_size, train.batch_tokens, serve.batch_sizes) or free "
-              "memory, and rerun: it resumes from its finished work", file=sys.stderr)
+        print(f"error: stage `{_stage()}` ran out of memory ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
+              ". Lower its batch params (extract.batch_size, train.batch_tokens, serve.batch_sizes) or free memory, "
+              "and rerun: it resumes from the work it finished", file=sys.stderr)
         raise SystemExit(1)
 
 

@@ -21,10 +21,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from eaglepipe.data.distributed_extract import Layout, Replica, place, process_group, relaunch
+from eaglepipe.data.distributed_extract import Replica, place, process_group, relaunch
 from eaglepipe.data.extract import extract
 from eaglepipe.data.prompts import read_jsonl
 from eaglepipe.engines.hf import check_tensor_parallel
+from eaglepipe.host import Layout
 from eaglepipe.params import check_layers_against_target
 from eaglepipe.serving.servable import require_servable
 from eaglepipe.stage import require_inputs, run, scratch_dir_of, start, write_metrics

@@ -18,7 +18,8 @@ import yaml
 from safetensors import safe_open
 from test_extract import REPO, _sha256_tree, project, run_extract
 
-from eaglepipe.data.distributed_extract import Layout, Replica, devices_of
+from eaglepipe.data.distributed_extract import Replica, devices_of
+from eaglepipe.host import Layout
 from eaglepipe.data.features import FeatureSample, FeatureSet, ShardWriter
 from eaglepipe.errors import ParamsError
 from eaglepipe.params import ExtractParams

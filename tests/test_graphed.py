@@ -12,6 +12,19 @@ from test_ttt import _padded_case, draft  # noqa: F401  (draft: the fixture)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs exist only there")
 
 
+def _eager_and_graphed(model):
+    """Two compiled CUDA copies of the draft ``model``: (eager, its fused AdamW, graphed, its parameters, its capturable
+    fused AdamW), both at lr 1e-3."""
+    from eaglepipe.train.ttt import compile_draft
+
+    eager, graphed = model.cuda(), copy.deepcopy(model).cuda()
+    for d in (eager, graphed):
+        compile_draft(d)
+    params = list(graphed.parameters())
+    return (eager, torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True), graphed, params,
+            torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_warm_up_is_undone_so_a_capturing_call_is_one_step(fused):
     """GraphedStep's warm-up runs real optimizer steps; _snapshot/_restore put the weights and AdamW's state back
@@ -55,7 +68,7 @@ def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
     loss and counts equal an eager fast step's, and the weights after all six."""
     from eaglepipe.model.target_head import SoftTargets
     from eaglepipe.train.graphed import GraphedStep
-    from eaglepipe.train.ttt import compile_draft, static_rows, ttt_unroll_fast
+    from eaglepipe.train.ttt import static_rows, ttt_unroll_fast
 
     embed = torch.randn(99, 32, device="cuda")
     cases = []
@@ -72,12 +85,7 @@ def test_graphed_steps_equal_the_eager_steps(draft):  # noqa: F811
     cases.append((dataclasses.replace(b0, input_ids=ids, aux=aux), SoftTargets(p, p.argmax(-1), s0.top_in_vocab)))
     keys = [tuple(len(r) for r in static_rows(b, s.top_in_vocab, 3)) for b, s in cases]
     assert keys[0] == keys[2] != keys[1]
-    eager, graphed = draft.cuda(), copy.deepcopy(draft).cuda()
-    for d in (eager, graphed):
-        compile_draft(d)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
-    params = list(graphed.parameters())
-    opt_g = torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
+    eager, opt_e, graphed, params, opt_g = _eager_and_graphed(draft)
     soft = SoftTargets(*(t.clone() for t in (cases[0][1].p, cases[0][1].top, cases[0][1].top_in_vocab)))
 
     def body(b, rows):  # the soft targets are an input buffer here (the benchmark computes them in the graph)
@@ -129,18 +137,13 @@ def test_a_capture_survives_another_thread_pinning_host_memory(draft):  # noqa: 
     import threading
 
     from eaglepipe.train.graphed import GraphedStep
-    from eaglepipe.train.ttt import compile_draft, static_rows, ttt_unroll_fast
+    from eaglepipe.train.ttt import static_rows, ttt_unroll_fast
 
     embed = torch.randn(99, 32, device="cuda")
     _, _, pb, psoft = _padded_case(700, 768)
     b = pb.to("cuda")
     soft = dataclasses.replace(psoft, p=psoft.p.cuda(), top=psoft.top.cuda(), top_in_vocab=psoft.top_in_vocab.cuda())
-    eager, graphed = draft.cuda(), copy.deepcopy(draft).cuda()
-    for d in (eager, graphed):
-        compile_draft(d)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
-    params = list(graphed.parameters())
-    opt_g = torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
+    eager, opt_e, graphed, params, opt_g = _eager_and_graphed(draft)
 
     def body(batch, rows):
         r = ttt_unroll_fast(graphed, embed, batch, soft, 3, 0.8, rows=rows)

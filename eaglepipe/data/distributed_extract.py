@@ -21,7 +21,7 @@ only after that barrier, so an NFS client's cache of names it found missing cann
 The hf engine at ``tensor_parallel_size`` T > 1 is the one exception to "a rank is a replica": transformers shards
 the target over torchrun's own ranks (``DistributedConfig(tp_size=T, tp_plan="auto")``, the model family's
 ``base_model_tp_plan``), so its one replica is T ranks, one GPU (or core share) each, which run every batch in
-lockstep; only its rank 0 writes shards (:class:`Layout`, :attr:`Replica.writes`). transformers 5.x builds that
+lockstep; only its rank 0 writes shards (:class:`eaglepipe.host.Layout`, :attr:`Replica.writes`). transformers 5.x builds that
 mesh as (pp, fsdp, tp) over the whole world (transformers/distributed/utils.py ``initialize_distributed_mesh``
 refuses a world that is not pp × fsdp × tp), with no data-parallel dimension, so several hf replicas at T > 1
 (DP × TP) are refused (eaglepipe/params.py, and :meth:`Replica.from_env` under a torchrun of another size).
@@ -62,33 +62,10 @@ WAIT_FOR_RANKS = timedelta(days=7)
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How extraction maps onto torchrun processes on one host.
-
-    procs: processes per host (torchrun's ``--nproc_per_node`` when the stage re-launches itself);
-    devices: GPUs (or core groups) each process is given; tp: processes that form one engine replica (1, except
-    the hf engine at tensor_parallel_size T > 1: T processes of one GPU each, transformers' own tensor parallelism).
-    """
-
-    procs: int
-    devices: int
-    tp: int = 1
-
-    @classmethod
-    def of(cls, engine: str, nproc_per_node: int, tensor_parallel_size: int) -> Layout:
-        """vllm / sglang: ``nproc_per_node`` replicas of ``tensor_parallel_size`` GPUs each (the engine starts its own
-        tensor-parallel workers). hf at T > 1: T processes, one GPU each, one replica (params refuse
-        ``nproc_per_node`` > 1 with it)."""
-        if engine == "hf" and tensor_parallel_size > 1:
-            return cls(tensor_parallel_size, 1, tensor_parallel_size)
-        return cls(nproc_per_node, tensor_parallel_size)
-
-
-@dataclass(frozen=True)
 class Replica:
     """This process's place among the extraction replicas: torchrun's RANK, WORLD_SIZE, LOCAL_RANK and
     LOCAL_WORLD_SIZE (ranks on this host); a process started without torchrun is rank 0 of 1. ``tp``: the processes
-    of one replica (:class:`Layout`); ranks r·tp … r·tp + tp − 1 are replica r."""
+    of one replica (:class:`eaglepipe.host.Layout`); ranks r·tp … r·tp + tp − 1 are replica r."""
 
     rank: int = 0
     world: int = 1
@@ -141,7 +118,7 @@ def relaunch(nproc_per_node: int, tensor_parallel_size: int, argv: list[str] | N
     same script with the same arguments as N ranks on this host. The exit code is torchrun's (non-zero when a
     rank failed; its message is in the rank's output). Raises ParamsError, before launching anything, when this
     host cannot give N replicas ``tensor_parallel_size`` GPUs (or cores) each (:func:`share_of`); ``tp``: the
-    ranks that form one replica (:class:`Layout`), named so in that message."""
+    ranks that form one replica (:class:`eaglepipe.host.Layout`), named so in that message."""
     share_of(Replica(nproc_per_node - 1, nproc_per_node, nproc_per_node - 1, nproc_per_node, tp), tensor_parallel_size)
     argv = sys.argv if argv is None else argv
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),

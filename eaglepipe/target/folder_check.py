@@ -51,11 +51,11 @@ def safetensors_names(file: Path) -> set[str]:
 def check_weight_files(folder: Path) -> dict[str, set[str]]:
     """Every weight file the folder's indexes name exists, every safetensors header reads, every indexed tensor
     is in its file (module docstring, 1). Returns safetensors file name → its tensor names."""
-    names = {f.name: safetensors_names(f) for f in sorted(folder.glob("*.safetensors"))
-             if f.exists()}  # a broken link is reported below, through the index or by name
-    for link in folder.glob("*.safetensors"):
-        if not link.exists():
-            raise ParamsError(f"target.source: {link} is a link to a missing file ({link.resolve()}); {FETCH}")
+    names = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        if not f.exists():
+            raise ParamsError(f"target.source: {f} is a link to a missing file ({f.resolve()}); {FETCH}")
+        names[f.name] = safetensors_names(f)
     for index in (folder / i for i in INDEXES):
         if not index.is_file():
             continue
@@ -79,15 +79,17 @@ def missing_tensors(config, names: set[str]) -> list[str] | None:
     the checkpoint's names on load (fused experts, renamed prefixes)."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.conversion_mapping import get_model_conversion_mapping
 
     try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # transformers ≥ 5
+
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
+        converts = get_model_conversion_mapping(model, add_legacy=False)
     except (ValueError, KeyError, TypeError, ImportError, NotImplementedError) as e:
-        log.info("target tensor names not checked: no causal-LM class builds this config (%s)", str(e)[:120])
+        log.info("target tensor names not checked: transformers cannot say for this config (%s)", str(e)[:120])
         return None
-    if get_model_conversion_mapping(model, add_legacy=False):
+    if converts:
         log.info("target tensor names not checked: transformers converts %s checkpoints' names when loading",
                  type(model).__name__)
         return None
