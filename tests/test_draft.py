@@ -71,17 +71,24 @@ def test_exported_names_and_shapes(cfg):
 
 
 def _reference_step(d: Eagle3Draft, cfg, embed, aux, ids):
-    """One draft step written out by hand, with HF Llama's RMSNorm and RoPE (one sequence, causal)."""
+    """One draft step written out by hand, with HF Llama's RMSNorm and RoPE (one sequence, causal), and the
+    EAGLE-3.1 flags as vllm's llama_eagle3.py applies them; returns (the hidden fed to the next step, logits)."""
     sd = d.state_dict()
 
     def norm(name, x):
-        n = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        n = LlamaRMSNorm(x.shape[-1], eps=cfg.rms_norm_eps)
         n.weight.data.copy_(sd[name])
         return n(x)
 
     T = ids.shape[1]
-    g = aux.flatten(-2) @ sd["fc.weight"].T  # (1, T, H)
-    x = torch.cat([norm("midlayer.input_layernorm.weight", embed[ids]), norm("midlayer.hidden_norm.weight", g)], -1)
+    a = aux.flatten(-2)  # (1, T, L·Ht)
+    if cfg.norm_before_fc:
+        a = norm("input_norm.weight", a)
+    if cfg.fc_norm:
+        a = torch.cat([norm(f"fc_norm.{i}.weight", c) for i, c in enumerate(a.chunk(cfg.n_aux, -1))], -1)
+    g = a @ sd["fc.weight"].T  # (1, T, H)
+    gn = norm("midlayer.hidden_norm.weight", g)
+    x = torch.cat([norm("midlayer.input_layernorm.weight", embed[ids]), gn], -1)
     q = (x @ sd["midlayer.self_attn.q_proj.weight"].T).view(1, T, 4, 8).transpose(1, 2)
     k = (x @ sd["midlayer.self_attn.k_proj.weight"].T).view(1, T, 2, 8).transpose(1, 2)
     v = (x @ sd["midlayer.self_attn.v_proj.weight"].T).view(1, T, 2, 8).transpose(1, 2)
@@ -93,11 +100,12 @@ def _reference_step(d: Eagle3Draft, cfg, embed, aux, ids):
     k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     att = (q @ k.transpose(-1, -2)) / 8**0.5 + torch.full((T, T), float("-inf")).triu(1)
     y = (att.softmax(-1) @ v).transpose(1, 2).reshape(1, T, 32)
-    h = g + y @ sd["midlayer.self_attn.o_proj.weight"].T
+    h = (gn if cfg.norm_before_residual else g) + y @ sd["midlayer.self_attn.o_proj.weight"].T
     m = norm("midlayer.post_attention_layernorm.weight", h)
     mlp = (F.silu(m @ sd["midlayer.mlp.gate_proj.weight"].T) * (m @ sd["midlayer.mlp.up_proj.weight"].T))
     out = h + mlp @ sd["midlayer.mlp.down_proj.weight"].T
-    return out, norm("norm.weight", out) @ sd["lm_head.weight"].T
+    normed = norm("norm.weight", out)
+    return (normed if cfg.norm_output else out), normed @ sd["lm_head.weight"].T
 
 
 def test_forward_matches_hand_written_reference(cfg, tiny_target):
@@ -151,3 +159,35 @@ def test_save_load_round_trip(cfg, tmp_path):
     for k, v in d.state_dict().items():
         torch.testing.assert_close(e.state_dict()[k], v)
     assert json.loads((tmp_path / "config.json").read_text())["layers"] == [1, 2, 3]
+
+
+VARIANTS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_residual": True}, {"norm_output": True},
+            {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}]  # the last: speculators'
+
+
+@pytest.mark.parametrize("flags", VARIANTS, ids=lambda f: "+".join(f))
+def test_eagle31_variants_match_the_hand_written_reference(cfg, tiny_target, flags, tmp_path):
+    cfg = dataclasses.replace(cfg, **flags)
+    d = _draft(cfg)
+    names = set(d.state_dict())
+    assert ("input_norm.weight" in names) == cfg.norm_before_fc
+    assert ({"fc_norm.0.weight", "fc_norm.2.weight"} <= names) == cfg.fc_norm
+    embed = load_target_head(tiny_target).embed
+    torch.manual_seed(1)
+    aux, ids = torch.randn(1, 7, 3, 32), torch.randint(0, 99, (1, 7))
+    ref_next, ref_logits = _reference_step(d, cfg, embed, aux, ids)
+    plain_next, _ = _reference_step(d, dataclasses.replace(cfg, **dict.fromkeys(flags, False)), embed, aux, ids)
+    assert (ref_next - plain_next).abs().max() > 1e-3  # each flag changes the step
+    r = draft_step(d, embed, ids, torch.arange(7)[None], KVCache(), aux=aux)
+    torch.testing.assert_close(r.hidden, ref_next)
+    torch.testing.assert_close(r.logits[..., :50], ref_logits)  # identity vocabulary: draft id = target id
+    save_draft(d, tmp_path / "d")
+    back = load_draft(tmp_path / "d")
+    assert back.cfg == cfg and all(torch.equal(v, back.state_dict()[k]) for k, v in d.state_dict().items())
+
+
+def test_the_two_fc_norms_are_exclusive(cfg):
+    from eaglepipe.errors import EaglepipeError
+
+    with pytest.raises(EaglepipeError, match="exclusive"):
+        dataclasses.replace(cfg, norm_before_fc=True, fc_norm=True)

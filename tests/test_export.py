@@ -76,3 +76,25 @@ def test_refuses_uncapturable_and_mismatched_layers(drafter, tiny_target, tmp_pa
         export_draft(drafter, tiny_target, "sglang", tmp_path / "s", [1, 2, 4], "0.5.23")
     with pytest.raises(ExportError, match="reads 3 aux states"):
         export_draft(drafter, tiny_target, "vllm", tmp_path / "v", [1, 2], "0.32.0")
+
+
+def test_eagle31_flags_and_norms_exported_where_the_engine_reads_them(tiny_target, tmp_path):
+    """A draft with speculators' default EAGLE-3.1 flags: vLLM gets the flags as top-level keys and input_norm's
+    weight; SGLang, which does not read norm_before_residual, gets no folder (refused, never served wrong)."""
+    from eaglepipe.serving.export import export_all
+
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(json.loads((tiny_target / "config.json").read_text()), n_aux=3, draft_vocab_size=99)
+    cfg.norm_before_fc = cfg.norm_before_residual = cfg.norm_output = True
+    save_draft(Eagle3Draft(cfg), tmp_path / "drafter")
+    conf = export_draft(tmp_path / "drafter", tiny_target, "vllm", tmp_path / "vllm", [1, 2, 3], "0.32.0")
+    assert {k: conf.get(k) for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")} == \
+        {"norm_before_fc": True, "fc_norm": None, "norm_before_residual": True, "norm_output": True}
+    assert load_file(tmp_path / "vllm" / "model.safetensors")["input_norm.weight"].shape == (96,)
+    with pytest.raises(ExportError, match="norm_before_residual"):
+        export_draft(tmp_path / "drafter", tiny_target, "sglang", tmp_path / "sglang", [1, 2, 3], "0.5.23")
+    verdict = export_all(tmp_path / "drafter", tiny_target, tmp_path / "export", [1, 2, 3], "vllm")
+    assert verdict["vllm"]["exported"] and not verdict["sglang"]["exported"]
+    assert "norm_before_residual" in verdict["sglang"]["reason"] and not (tmp_path / "export" / "sglang").exists()
+    with pytest.raises(ExportError, match="framework sglang"):
+        export_all(tmp_path / "drafter", tiny_target, tmp_path / "export", [1, 2, 3], "sglang")

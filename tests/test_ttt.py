@@ -183,11 +183,14 @@ def test_soft_targets_match_the_hf_target(tiny_target):
         assert part.top_in_vocab.tolist() == want_tiv.tolist() and part.top[need].tolist() == st.top[need].tolist()
 
 
-def test_ttt_steps_equal_the_serving_chain(draft):
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_ttt_steps_equal_the_serving_chain(draft, norm_output):
     """Step j at position t of the unroll == the j-th draft forward of a KV-cache decoder that accepted x_0..x_{t+1}
-    and drafts with teacher-forced tokens: same keys visible, same RoPE positions, same fed-back hidden state."""
+    and drafts with teacher-forced tokens: same keys visible, same RoPE positions, same fed-back hidden state
+    (EAGLE-3.1's norm_output: the normed one, in both)."""
     from eaglepipe.model.draft import KVCache, draft_step
 
+    draft.cfg.norm_output = norm_output
     torch.manual_seed(3)
     embed = torch.randn(99, 32)
     ids = [5, 17, 42, 8, 63, 21, 90, 11]
@@ -196,7 +199,7 @@ def test_ttt_steps_equal_the_serving_chain(draft):
     att, hidden, outs = TTTAttention(b.doc), draft.project(b.aux), []
     for j in range(3):
         s = align_step(b, _soft(8, 8), j)
-        hidden = draft.layer(embed[s.ids], hidden, s.positions, att.attend)
+        hidden = draft.feed(draft.layer(embed[s.ids], hidden, s.positions, att.attend))
         outs.append(hidden)
     x = torch.tensor([ids])
     for t in (0, 2, 4):

@@ -28,6 +28,17 @@ saved. The decoder layer, as both engines run it (their fused add-norm written o
 ``out`` (before ``norm``) is what both engines feed back as the next draft step's ``hidden``: SGLang returns
 ``hidden_states_to_aux`` from its fused ``norm(hidden, residual)``, vLLM returns ``hidden_prenorm``.
 
+EAGLE-3.1 variants (``DraftConfig`` flags, the config keys both engines read; speculators 0.9.0 trains its eagle3
+drafts with norm_before_fc, norm_before_residual and norm_output on by default, ``speculators/train/config/schema.py``):
+
+    norm_before_fc        fc(input_norm(cat_l aux_l)), ``input_norm.weight`` (L·Ht,)     vllm ``combine_hidden_states``
+    fc_norm               fc(cat_l fc_norm[l](aux_l)), ``fc_norm.{l}.weight`` (Ht,) each  (exclusive with the above)
+    norm_before_residual  residual = hidden_norm(hidden) instead of hidden                vllm ``_norm_before_residual``
+    norm_output           norm(out), not out, feeds the next draft step                   vllm ``aux_output``
+
+SGLang 0.5.23 (``srt/models/llama_eagle3.py``) reads norm_before_fc, fc_norm and norm_output but not
+norm_before_residual (its layer always keeps the raw residual).
+
 Shapes: B batch, T tokens, L aux layers, Ht target hidden, H draft hidden (= the target's, embeddings are
 shared), nh / nkv query / key-value heads, hd head dim, I intermediate size, V target vocab, Vd draft vocab.
 """
@@ -69,6 +80,15 @@ class DraftConfig:
     hidden_act: str = "silu"  # the MLP activation; only silu is implemented
     # the target's RoPE, standardized by transformers (eaglepipe/model/rope.py); None = plain RoPE at rope_theta
     rope_parameters: dict | None = None
+    norm_before_fc: bool = False  # EAGLE-3.1 variants (module docstring); False: the plain EAGLE-3 draft
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise EaglepipeError("norm_before_fc and fc_norm are exclusive (vllm llama_eagle3.py builds either "
+                                 "one RMSNorm over the concatenated aux states or one per aux state)")
 
     @classmethod
     def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int,
@@ -185,6 +205,7 @@ class MidLayer(nn.Module):
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -192,8 +213,9 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, emb, hidden, cos, sin, attend: Attend) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        h = hidden + self.self_attn(x, cos, sin, attend)  # (B, T, H)
+        normed = self.hidden_norm(hidden)  # (B, T, H)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # (B, T, 2H)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, attend)  # (B, T, H)
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H) pre-norm output
 
 
@@ -204,7 +226,12 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.mask_buffers: dict | None = None  # set by compile_draft under CUDA graphs (ttt/attention.py)
-        self.fc = nn.Linear(cfg.n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        width = cfg.n_aux * cfg.target_hidden_size
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(width, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.n_aux))
+        self.fc = nn.Linear(width, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -223,8 +250,17 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux (B, T, L, Ht), L in ascending boundary order → fc(cat_l aux[..., l, :]) (B, T, H)."""
-        return self.fc(aux.flatten(-2))  # (B, T, L·Ht) → (B, T, H)
+        """aux (B, T, L, Ht), L in ascending boundary order → fc(cat_l aux[..., l, :]) (B, T, H), the aux states
+        normalized first where the config says so (norm_before_fc: together, fc_norm: each)."""
+        if self.cfg.fc_norm:
+            aux = torch.stack([norm(aux[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-2)  # (B, T, L, Ht)
+        x = aux.flatten(-2)  # (B, T, L·Ht)
+        return self.fc(self.input_norm(x) if self.cfg.norm_before_fc else x)  # (B, T, H)
+
+    def feed(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output (B, T, H) → the ``hidden`` of the next draft step (B, T, H): ``out`` itself,
+        or ``norm(out)`` with norm_output (vllm ``llama_eagle3.py`` ``aux_output``)."""
+        return self.norm(out) if self.cfg.norm_output else out
 
     def layer(self, emb, hidden, positions, attend: Attend) -> torch.Tensor:
         """emb (B, T, H) embedding of the token each position reads, hidden (B, T, H), positions (B, T)
@@ -283,7 +319,7 @@ class KVCache:
 @dataclass
 class DraftStep:
     logits: torch.Tensor  # (B, T, V) in TARGET id space, -inf outside the draft vocabulary
-    hidden: torch.Tensor  # (B, T, H) pre-norm output: the ``hidden`` of the next draft step
+    hidden: torch.Tensor  # (B, T, H) the ``hidden`` of the next draft step (Eagle3Draft.feed of the output)
 
 
 def draft_step(
@@ -310,7 +346,7 @@ def draft_step(
     h = draft.project(aux) if aux is not None else hidden  # (B, T, H)
     emb = F.embedding(input_ids, embed_tokens).to(h.dtype)  # (B, T, H)
     out = draft.layer(emb, h, positions, cache.attend)  # (B, T, H)
-    return DraftStep(logits=draft.to_target_vocab(draft.logits(out)), hidden=out)
+    return DraftStep(logits=draft.to_target_vocab(draft.logits(out)), hidden=draft.feed(out))
 
 
 def save_draft(draft: Eagle3Draft, folder: Path, extra: dict | None = None) -> None:

@@ -6,7 +6,8 @@ serving engine's ids too, in its own meaning and place, so either engine loading
 trained layers — and an
 ``eaglepipe`` block stating the boundaries trained on and, as ``rope``, the RoPE trained with: the lineage
 ``eaglepipe inspect`` reads as fact) and ``model.safetensors`` with exactly ``fc.weight``,
-``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool). The target's
+``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool), plus
+``input_norm.weight`` / ``fc_norm.{l}.weight`` for the EAGLE-3.1 variants that have them. The target's
 embeddings are not exported: both engines share the target's.
 
 Refusals (:class:`ExportError`) instead of a folder that loads but drafts garbage (a public converter once
@@ -60,7 +61,27 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.
         "lm_head.weight": ((cfg.draft_vocab_size, H), None),
         "d2t": ((cfg.draft_vocab_size,), torch.int64),
         "t2d": ((cfg.vocab_size,), torch.bool),
+        **({"input_norm.weight": ((cfg.n_aux * Ht,), None)} if cfg.norm_before_fc else {}),
+        **({f"fc_norm.{i}.weight": ((Ht,), None) for i in range(cfg.n_aux)} if cfg.fc_norm else {}),
     }
+
+
+VARIANT_KEYS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")  # EAGLE-3.1 (model/draft.py)
+
+
+def variant_fields(cfg: DraftConfig) -> dict:
+    """The EAGLE-3.1 flags a draft sets, as top-level config keys: vllm 0.32 ``llama_eagle3.py`` reads all four
+    with ``getattr(config, key, False)``; sglang 0.5.23 reads all but norm_before_residual. Absent keys mean the
+    plain EAGLE-3 draft in both engines, so only the flags that are on are written."""
+    return {k: True for k in VARIANT_KEYS if getattr(cfg, k)}
+
+
+def unserved_variant(engine: str, cfg: DraftConfig) -> str | None:
+    """Why ``engine`` would serve this draft as another model than it was trained as, or None."""
+    if engine == "sglang" and cfg.norm_before_residual:
+        return ("sglang 0.5.23 does not read norm_before_residual (srt/models/llama_eagle3.py LlamaDecoderLayer "
+                "keeps the raw residual): it would serve another layer than the one trained, silently")
+    return None
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
@@ -125,6 +146,7 @@ def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
         "pad_token_id": target_cfg.get("pad_token_id"),
         "torch_dtype": dtype,
         "dtype": dtype,
+        **variant_fields(cfg),
         "eaglepipe": {"rope": cfg.rope},  # lineage: the RoPE it was trained with (inspect reads it as a fact)
     }
 
@@ -159,6 +181,8 @@ def export_draft(
     convention.check_fc_width(cfg.n_aux * cfg.target_hidden_size, len(layers), cfg.target_hidden_size)
     tensors = load_file(str(drafter_dir / "model.safetensors"))
     check_tensors(tensors, cfg)
+    if (why := unserved_variant(engine, cfg)) is not None:
+        raise ExportError(f"refusing to export the draft for {engine}: {why}")
     config = draft_config_json(cfg, target_cfg, dtype)
     # The folder's own engine first (its ids must translate), then the other serving engine's ids too, each in
     # its meaning and place: a folder loaded by the "wrong" engine then still feeds the trained layers instead
@@ -202,8 +226,16 @@ def export_all(drafter_dir: Path, target_dir: Path, out_dir: Path, layers: list[
     drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
     info = read_info(target_dir, hash_weights=False)
     plans = require_servable(framework, info.family, info.n_layers, layers)
+    cfg = DraftConfig(**json.loads((drafter_dir / "config.json").read_text())["draft"])
     verdict = {}
     for engine, plan in plans.items():
+        if (why := unserved_variant(engine, cfg)) is not None:
+            if engine == framework:
+                raise ExportError(f"framework {engine}: {why}; serve with vllm or train without it")
+            log.warning("no %s folder: %s", engine, why)
+            shutil.rmtree(out_dir / engine, ignore_errors=True)
+            verdict[engine] = {"exported": False, **plan.to_json(), "ids": None, "reason": why, "nearest": []}
+            continue
         if plan.ids is None:
             log.warning("no %s folder: %s", engine, plan.message(layers, info.n_layers))
             shutil.rmtree(out_dir / engine, ignore_errors=True)

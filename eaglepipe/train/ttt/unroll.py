@@ -83,7 +83,7 @@ def ttt_unroll(
        c. the decoder layer on (embed(x_{t+1+j}), hidden), attending to the keys of steps 0..j;
        d. logits at the trained positions, soft CE against p_{t+1+j}, mean over them; loss += decay^j · loss_j;
        e. the counts: correct (draft argmax == target top-1), counted, trained;
-       f. hidden = the layer's pre-norm output: the draft's own hidden state feeds step j+1.
+       f. hidden = the layer's pre-norm output (norm_output: its norm): the draft's own state feeds step j+1.
     4. The per-step values stacked into a :class:`TTTResult`.
     """
     if fast:
@@ -117,8 +117,8 @@ def ttt_unroll(
             correct.append((logits.argmax(-1) == s.top[s.trained]).sum())  # OOV top-1: a miss (not trained)
             counted.append(s.counted.sum())
             trained.append(s.trained.sum())
-        # 3f. the draft's own pre-norm output feeds step j+1
-        hidden = out
+        # 3f. the draft's own output feeds step j+1
+        hidden = draft.feed(out)
     # 4. per step: (S,) each
     return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
 
@@ -197,7 +197,7 @@ def ttt_unroll_fast(
         correct.append(hits)
         counted.append(c.sum())
         trained.append(w)
-        hidden = out
+        hidden = draft.feed(out)
     # 5. per step: (S,) each
     return TTTResult(loss, torch.stack(step_loss), torch.stack(correct), torch.stack(counted), torch.stack(trained))
 
