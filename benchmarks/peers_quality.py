@@ -127,6 +127,10 @@ def speculators_args(a, p: TrainParams, layers: list[int], work: Path, cuda: boo
     args.data_path = str(work)
     if not cuda:
         args.draft_attn_impl, args.loss_implementation = "sdpa", "eager"
+    for kv in a.spec_set:  # an ablation of its defaults, e.g. total_seq_len=2048
+        key, _, value = kv.partition("=")
+        old = getattr(args, key)
+        setattr(args, key, type(old)(value) if old is not None and not isinstance(old, bool) else json.loads(value))
     return args
 
 
@@ -270,7 +274,7 @@ def main() -> None:
     ap.add_argument("--params", type=Path, default=REPO / "params.yaml")
     ap.add_argument("--set", nargs="*", default=[], help="train.key=value over params.yaml (eaglepipe recipe)")
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    ap.add_argument("--name", help="the eaglepipe row's recipe name (default: eaglepipe, + the --set values)")
+    ap.add_argument("--spec-set", nargs="*", default=[], help="key=value over speculators' TrainConfig defaults")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--mtbench", type=int, default=16, help="MT-bench first turns judged (80 = all)")
     ap.add_argument("--humaneval", type=int, default=16, help="HumanEval prompts judged (164 = all)")
@@ -288,7 +292,7 @@ def main() -> None:
     fs.require_store("features", "benchmarks/peers_quality.py (the peers read stored hidden states)")
     rows = json.loads(a.out.read_text()) if a.out.exists() else []
     for recipe in a.recipes:
-        name = a.name or ("eaglepipe" + "".join(f" {s}" for s in a.set) if recipe == "eaglepipe" else recipe)
+        name = recipe + "".join(f" {s}" for s in (a.set if recipe == "eaglepipe" else a.spec_set))
         drafter, info = RECIPES[recipe](a, p, a.work)
         for bench, r in judge(a, drafter, fs.layers).items():
             row = {"recipe": name, "machine": machine(), "conversations": len(fs), "epochs": a.epochs,
