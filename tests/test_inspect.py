@@ -22,10 +22,11 @@ TARGET_IDS = np.array([0, 3, 5, 9, 10, 20, 40, 63])  # draft token j → target 
 LLAMA_FIELDS = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64}
 
 
-def write_draft(path, config, n_aux=3, d2t="offsets", draft_vocab=8):
+def write_draft(path, config, n_aux=3, d2t="offsets", draft_vocab=8, extra=()):
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     tensors = {
+        **{name: np.ones(shape, np.float32) for name, shape in extra},
         "fc.weight": np.zeros((16, 16 * n_aux), np.float32),
         "lm_head.weight": np.zeros((draft_vocab, 16), np.float32),
         "norm.weight": np.ones(16, np.float32),
@@ -286,7 +287,8 @@ def test_speculators_folder_has_one_verdict_per_engine(tmp_path, llama3_target, 
     assert r.draft_format == "speculators" and r.ok and r.warnings == [] and r.problems == []
     assert r.engines["sglang"].refused and r.engines["sglang"].boundaries is None
     assert (r.engines["vllm"].architecture, r.engines["vllm"].boundaries) == ("Eagle3LlamaForCausalLM", [2, 16, 29])
-    assert r.notes == ["vllm: no ids written; it feeds its default h[2, 16, 29]"]
+    assert r.notes == ["vllm: no ids written; it feeds its default h[2, 16, 29]",
+                       "EAGLE-3.1 variant: norm_before_residual"]  # vLLM's speculators algos.py: on unless stated
     assert main(["inspect", str(draft), "--target", str(llama3_target), "--sglang-version", "0.5.23",
                  "--vllm-version", "0.32.0"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -303,3 +305,26 @@ def test_no_engine_loading_the_draft_is_a_problem(tmp_path):
     r = inspect_draft(write_draft(tmp_path / "d", cfg), TARGET, VERSIONS)
     assert not r.ok and r.problems[0].startswith("no engine loads this draft: sglang 0.5.23 does not load")
     assert "vllm 0.32.0 does not load architectures ['MistralForCausalLM']" in r.problems[0]
+
+
+def test_eagle31_flags_each_engine_reads(tmp_path):
+    """speculators' default EAGLE-3.1 flags in an eaglepipe-style folder: vLLM reads them all; SGLang does not read
+    norm_before_residual (a problem: it would serve another draft); the norm tensors must match the flags."""
+    flags = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+    r = inspect_draft(write_draft(tmp_path / "a", {**eaglepipe_config(), **flags}, extra=[("input_norm.weight", 48)]),
+                      TARGET, VERSIONS)
+    assert "EAGLE-3.1 variant: norm_before_fc, norm_before_residual, norm_output" in r.notes
+    assert r.problems == ["sglang: sglang 0.5.23 does not read norm_before_residual (srt/models/llama_eagle3.py "
+                          "LlamaDecoderLayer keeps the raw residual): it would serve another draft than the one "
+                          "trained, silently"]
+    r = inspect_draft(write_draft(tmp_path / "b", {**eaglepipe_config(), "norm_before_fc": True}), TARGET, VERSIONS)
+    assert r.problems == ["norm_before_fc is set but the weights hold no input_norm.weight: the engines would start "
+                          "it at ones"]
+    r = inspect_draft(write_draft(tmp_path / "c", eaglepipe_config(), extra=[("fc_norm.0.weight", 16)]),
+                      TARGET, VERSIONS)
+    assert r.problems == ["the weights hold fc_norm.0.weight but the config does not set fc_norm: the engines ignore "
+                          "the tensor and serve the draft without the norm it was trained with"]
+    r = inspect_draft(write_draft(tmp_path / "d", {**eaglepipe_config(), "eagle_config": {
+        **eaglepipe_config()["eagle_config"], "norm_before_fc": True}, "norm_output": True},
+        extra=[("input_norm.weight", 48)]), TARGET, VERSIONS)
+    assert r.ok and "EAGLE-3.1 variant: norm_before_fc, norm_output" in r.notes  # both engines read these

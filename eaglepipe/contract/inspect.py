@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglepipe.contract import convention as conv
-from eaglepipe.contract import draft_config
+from eaglepipe.contract import draft_config, variants
 from eaglepipe.contract.draft_weights import check_vocab, draft_tensors, find_tensor
 from eaglepipe.engine_table import SERVING
 from eaglepipe.errors import ConventionError, EaglepipeError
@@ -147,6 +147,8 @@ def _vllm_view(cfg: dict, fmt: str) -> dict:
     for key in ("draft_vocab_size", "target_hidden_size", draft_config.TOP_FIELD):
         if cfg.get(key):
             view[key] = cfg[key]
+    for key in variants.KEYS:  # vllm transformers_utils/configs/speculators/algos.py update_eagle3: residual on
+        view[key] = cfg.get(key, key == "norm_before_residual")
     view["architectures"] = [_VLLM_SPECULATORS_ARCH.get(view.get("model_type", "llama"), "?")]
     return view
 
@@ -285,6 +287,11 @@ def inspect_draft(
         problems.append(f"draft target_hidden_size {draft_target_hidden} != target hidden_size {target_hidden}")
     target_vocab = target.get("vocab_size") or (target.get("text_config") or {}).get("vocab_size")
     fc_shape, d2t = _check_weights(draft_dir, cfg, engines, target_hidden, target_vocab, problems, notes)
+    flags = {e: variants.config_flags(_vllm_view(cfg, fmt) if e == "vllm" else cfg) for e, v in engines.items()
+             if v.loads}
+    more = variants.judge(flags, set(draft_tensors(draft_dir)))
+    problems += more[0]
+    notes += more[1]
     return Report(
         str(draft_dir), fmt, list(cfg.get("architectures") or []), family, n_layers, target_hidden,
         (cfg.get("eaglepipe") or {}).get("aux_boundaries"), engines, agree, fc_shape, d2t, problems, notes,

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglepipe.atomic import atomic_dir, atomic_write_json
-from eaglepipe.contract import convention, draft_config
+from eaglepipe.contract import convention, draft_config, variants
 from eaglepipe.engine_table import SERVING as SERVING_ENGINES
 from eaglepipe.errors import ConventionError, ExportError
 from eaglepipe.model.draft import DraftConfig
@@ -66,22 +66,15 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.
     }
 
 
-VARIANT_KEYS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")  # EAGLE-3.1 (model/draft.py)
-
-
 def variant_fields(cfg: DraftConfig) -> dict:
-    """The EAGLE-3.1 flags a draft sets, as top-level config keys: vllm 0.32 ``llama_eagle3.py`` reads all four
-    with ``getattr(config, key, False)``; sglang 0.5.23 reads all but norm_before_residual. Absent keys mean the
-    plain EAGLE-3 draft in both engines, so only the flags that are on are written."""
-    return {k: True for k in VARIANT_KEYS if getattr(cfg, k)}
+    """The EAGLE-3.1 flags a draft sets, as top-level config keys (:mod:`eaglepipe.contract.variants`: which engine
+    reads which). Absent keys mean the plain EAGLE-3 draft in both engines, so only the flags that are on go in."""
+    return {k: True for k in variants.KEYS if getattr(cfg, k)}
 
 
 def unserved_variant(engine: str, cfg: DraftConfig) -> str | None:
     """Why ``engine`` would serve this draft as another model than it was trained as, or None."""
-    if engine == "sglang" and cfg.norm_before_residual:
-        return ("sglang 0.5.23 does not read norm_before_residual (srt/models/llama_eagle3.py LlamaDecoderLayer "
-                "keeps the raw residual): it would serve another layer than the one trained, silently")
-    return None
+    return variants.unserved(engine, [k for k in variants.KEYS if getattr(cfg, k)])
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
