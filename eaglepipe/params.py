@@ -147,6 +147,12 @@ class TrainParams(_Strict):
                                          "intermediate_size); 0 = the target's. Both engines build the draft "
                                          "layer's MLP from the draft's own config (vLLM llama_eagle3.py / SGLang "
                                          "llama_eagle3.py via llama.py's LlamaMLP), so any width serves")
+    draft_norms: list[Literal["norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"]] = Field(
+        [], description="EAGLE-3.1 norms the draft adds, written to its config as the keys both engines read "
+        "(eaglepipe/contract/variants.py): norm_before_fc (one RMSNorm over the aux states before fc) or fc_norm (one "
+        "per aux state), norm_before_residual (the layer's residual normed), norm_output (the normed output feeds the "
+        "next draft step); [] = the plain EAGLE-3 draft. speculators 0.9.0 trains [norm_before_fc, "
+        "norm_before_residual, norm_output]; SGLang does not read norm_before_residual")
     ttt_steps: int = Field(3, ge=1, le=16, description="training-time-test unroll: steps the draft runs on its "
                            "own hidden output")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of TTT step j is step_decay**j")
@@ -250,6 +256,19 @@ class Params(_Strict):
         if problem:
             raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _draft_norms(self) -> "Params":
+        norms = self.train.draft_norms
+        if len(set(norms)) != len(norms) or {"norm_before_fc", "fc_norm"} <= set(norms):
+            raise ValueError(f"train.draft_norms {norms}: each at most once, and norm_before_fc or fc_norm, not both "
+                             "(vLLM's llama_eagle3.py builds one RMSNorm over the aux states or one per state)")
+        from eaglepipe.contract.variants import unserved
+
+        if self.framework != "hf" and (why := unserved(self.framework, list(norms))):
+            raise ValueError(f"train.draft_norms {norms} with framework {self.framework}: {why}; drop "
+                             f"norm_before_residual or serve with vllm")
+        return self
 
     @model_validator(mode="after")
     def _parallel_engines(self) -> "Params":

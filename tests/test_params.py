@@ -117,6 +117,10 @@ def test_a_bad_profile_fails_before_dvc_runs_anything(tmp_path):
     ({"validate": {"serch": 2}}, "unknown key 'validate.serch'"),
     ({"serve": {"batch_sizes": [1, 0]}}, "'serve.batch_sizes.1' = 0: Input should be greater than or equal to 1"),
     ({"extract": {"regenerate_engine": "tgi"}}, "'extract.regenerate_engine' = 'tgi'"),
+    ({"train": {"draft_norms": ["norm_before"]}}, "'train.draft_norms.0' = 'norm_before'"),
+    ({"train": {"draft_norms": ["norm_before_fc", "fc_norm"]}}, "norm_before_fc or fc_norm, not both"),
+    ({"framework": "sglang", "train": {"draft_norms": ["norm_before_residual"]}},
+     "sglang 0.5.23 does not read norm_before_residual"),
 ])
 def test_bad_params_are_named(patch, expect):
     raw = defaults()

@@ -145,3 +145,51 @@ def test_vllm_builds_the_draft_mlp_from_the_draft_config(trained, tmp_path):
     assert ref_wide["tau"] == pytest.approx(ref["tau"], abs=1e-9) and ref["tau"] > 1.3
     assert got["outputs_equal"]
     assert got["tau"] == pytest.approx(ref["tau"], abs=0.02)
+
+
+SPECULATORS_NORMS = ["norm_before_fc", "norm_before_residual", "norm_output"]  # speculators 0.9.0's eagle3 default
+
+
+@pytest.fixture(scope="module")
+def trained_eagle31(trained):
+    """An EAGLE-3.1 draft (train.draft_norms = speculators' default norms) on the same features, exported."""
+    from eaglepipe.params import TrainParams
+    from eaglepipe.serving.export import export_all
+    from eaglepipe.train.loop import train_drafter
+
+    target, _, _, prompts = trained
+    w = target.parent
+    tp = TrainParams(draft_vocab_size=96, epochs=30, lr=3e-3, batch_tokens=1024, warmup_steps=5, eval_fraction=0.1,
+                     draft_norms=SPECULATORS_NORMS)
+    train_drafter(w / "features", target, w / "drafter31", tp, scratch_dir=w / "scratch_train31")
+    export_all(w / "drafter31", target, w / "export31", LAYERS, "vllm")
+    return target, w / "drafter31", w / "export31", prompts
+
+
+def test_vllm_serves_an_eagle31_draft_with_the_reference_tau(trained_eagle31, tmp_path):
+    """vLLM's llama_eagle3.py reads the exported norm flags and input_norm.weight: τ equals the reference decoder's.
+    Control: the same folder with the flags deleted from config.json (vLLM then drops input_norm and serves the
+    plain EAGLE-3 layer) gives another τ, so the flags are what made them equal."""
+    import shutil
+
+    from eaglepipe.engines.vllm import serve_eagle3
+    from eaglepipe.serving.evaluate import reference_eval
+
+    target, drafter, export, prompts = trained_eagle31
+    cfg = json.loads((export / "vllm" / "config.json").read_text())
+    assert all(cfg[k] is True for k in SPECULATORS_NORMS) and "fc_norm" not in cfg
+    assert not (export / "sglang").exists()  # SGLang does not read norm_before_residual: no folder for it
+    ids = [p["input_ids"] for p in prompts]
+    ref = reference_eval(target, drafter, LAYERS, prompts, K, MAX_NEW)
+    got = serve_eagle3(target, export / "vllm", ids, k=K, max_new_tokens=MAX_NEW, work_dir=tmp_path / "v",
+                       max_model_len=256)
+    plain = tmp_path / "plain"
+    shutil.copytree(export / "vllm", plain)
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in SPECULATORS_NORMS}))
+    wrong = serve_eagle3(target, plain, ids, k=K, max_new_tokens=MAX_NEW, work_dir=tmp_path / "p", max_model_len=256)
+    print(json.dumps({"reference_tau": ref["tau"], "vllm_tau": got["tau"], "vllm_flags_deleted_tau": wrong["tau"]}))
+    assert ref["outputs_equal"] and got["outputs_equal"] and wrong["outputs_equal"]
+    assert ref["tau"] > 1.3, "the draft must accept often enough for τ to test its norms"
+    assert got["tau"] == pytest.approx(ref["tau"], abs=0.02)
+    assert got["acceptance_per_pos"] == pytest.approx(ref["acceptance_per_pos"], abs=0.03)
+    assert abs(wrong["tau"] - ref["tau"]) > 0.05

@@ -92,9 +92,10 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int,
-                    intermediate_size: int = 0) -> "DraftConfig":
+                    intermediate_size: int = 0, norms: list[str] = ()) -> "DraftConfig":
         """Build from the target's ``config.json`` dict; ``intermediate_size`` > 0 widens (or narrows) the draft's
-        MLP, 0 keeps the target's. Raises EaglepipeError on what the draft cannot mirror."""
+        MLP, 0 keeps the target's; ``norms``: the EAGLE-3.1 flags switched on (module docstring). Raises
+        EaglepipeError on what the draft cannot mirror."""
         rope = rope_parameters(target)  # raises RopeError for what the engines' Llama drafts cannot build
         if target.get("hidden_act", "silu") != "silu":
             raise EaglepipeError(f"target hidden_act {target['hidden_act']!r}: the draft MLP implements silu only")
@@ -115,6 +116,7 @@ class DraftConfig:
             draft_vocab_size=min(draft_vocab_size, vocab),
             vocab_size=vocab,
             rope_parameters=rope,
+            **{flag: True for flag in norms},
         )
 
     def to_dict(self) -> dict:

@@ -53,7 +53,7 @@ def index_features(features_dir: Path, p: TrainParams, hidden_size: int) -> tupl
 def draft_config(target_config: dict, n_aux: int, p: TrainParams) -> DraftConfig:
     """The draft's shape: the target's hidden size, heads and vocabulary, ``n_aux`` captured layers fed to fc."""
     cfg = DraftConfig.from_target(target_config, n_aux=n_aux, draft_vocab_size=p.draft_vocab_size,
-                                  intermediate_size=p.draft_intermediate_size)
+                                  intermediate_size=p.draft_intermediate_size, norms=p.draft_norms)
     if cfg.n_aux != 3:  # both engines size fc from num_aux_hidden_states, which export writes (convention.py)
         log.info("%d aux layers: fc reads %d·Ht; export writes num_aux_hidden_states = %d, from which SGLang's and "
                  "vLLM's llama_eagle3.py size fc", cfg.n_aux, cfg.n_aux, cfg.n_aux)
