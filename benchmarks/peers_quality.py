@@ -2,7 +2,8 @@
 
     python benchmarks/peers_quality.py --target data/target --features data/features \\
         --peer-path /tmp/peers --out benchmarks/peers_quality_cpu.json            # after `dvc repro` (CPU-sized)
-    python benchmarks/peers_quality.py ... --mtbench 80 --humaneval 164 --max-new 128   # the GPU run
+    python benchmarks/peers_quality.py ... --profile profiles/gpu.yaml --mtbench 80 --humaneval 164 --max-new 128 \
+        --out benchmarks/peers_quality.json                                     # the GPU run
 
 One features store (extract's output, ``extract.store: features``), one split: train_drafter's own
 (``train.eval_fraction`` held out by :func:`eaglepipe.train.packing.split_samples`); every recipe trains for
@@ -20,8 +21,9 @@ One features store (extract's output, ``extract.store: features``), one split: t
   the model and batches to ``local_rank``, a CUDA device: speculators/train/trainer.py ``setup_model``,
   ``train_epoch``), so there the same step sequence runs in :func:`cpu_train` (its forward under bf16 autocast,
   clip 1.0, its optimizers and schedulers), with its CPU-capable choices: ``draft_attn_impl`` sdpa and the eager
-  loss (flex attention has no CPU backward, the fused loss is Triton). Its last epoch is kept (``save_best``
-  is off by default).
+  loss (flex attention has no CPU backward, the fused loss is Triton). On CUDA (torch 2.11) its fused loss fails
+  inside its own torch.compile'd forward, so it runs outside the graph (``torch.compiler.disable``), as it
+  computes. Its last epoch is kept (``save_best`` is off by default).
   The trained weights are copied into eaglepipe's draft (``layers.0.*`` → ``midlayer.*``, the same EAGLE-3.1
   flags) and the copy is checked: one forward of both on a held-out sample must give the same logits.
 
@@ -63,14 +65,17 @@ def machine() -> str:
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def train_params(params: Path, sets: list[str], epochs: int) -> TrainParams:
-    """params.yaml's ``train`` section with ``--set`` applied and ``epochs``."""
+def train_params(params: Path, profile: Path | None, sets: list[str], epochs: int) -> TrainParams:
+    """params.yaml's ``train`` section with ``profile`` merged over it, then ``--set`` applied, and ``epochs``."""
     import yaml
 
     from eaglepipe.params import parse_params
-    from eaglepipe.profiles import apply_sets
+    from eaglepipe.profiles import apply_sets, merge_profile
 
-    p = parse_params(apply_sets(yaml.safe_load(params.read_text()), sets)).train
+    raw = yaml.safe_load(params.read_text())
+    if profile is not None:
+        merge_profile(raw, yaml.safe_load(profile.read_text()))
+    p = parse_params(apply_sets(raw, sets)).train
     return p.model_copy(update={"epochs": epochs})
 
 
@@ -164,6 +169,9 @@ def speculators_recipe(a, p: TrainParams, work: Path) -> tuple[Path, dict]:
                                  num_target_layers=len(fs.layers), preprocess=shift_batch, seed=args.seed)
                for n in ("train", "val")]
     train_kw, val_kw = Eagle3DraftModel.get_trainer_kwargs(**vars(args))
+    if cuda:  # its fused Triton KL fails inside its own torch.compile on torch 2.11: run it outside the graph
+        for kw in (train_kw, val_kw):
+            kw["loss_config"] = {n: (torch.compiler.disable(f), w) for n, (f, w) in kw["loss_config"].items()}
     tc = TrainerConfig(num_epochs=args.epochs, save_path=args.save_path, lr=args.lr, train_call_kwargs=train_kw,
                        val_call_kwargs=val_kw, optimizer=args.optimizer, weight_decay=args.weight_decay,
                        muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
@@ -272,6 +280,7 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=REPO / "data/target")
     ap.add_argument("--features", type=Path, default=REPO / "data/features")
     ap.add_argument("--params", type=Path, default=REPO / "params.yaml")
+    ap.add_argument("--profile", type=Path, help="merged over params.yaml first (profiles/gpu.yaml on a GPU)")
     ap.add_argument("--set", nargs="*", default=[], help="train.key=value over params.yaml (eaglepipe recipe)")
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     ap.add_argument("--spec-set", nargs="*", default=[], help="key=value over speculators' TrainConfig defaults")
@@ -287,7 +296,7 @@ def main() -> None:
     if a.peer_path:
         sys.path.insert(0, a.peer_path)
     sys.path.insert(0, str(REPO / "benchmarks"))
-    p = train_params(a.params, a.set, a.epochs)
+    p = train_params(a.params, a.profile, a.set, a.epochs)
     fs = FeatureSet(a.features)
     fs.require_store("features", "benchmarks/peers_quality.py (the peers read stored hidden states)")
     rows = json.loads(a.out.read_text()) if a.out.exists() else []
