@@ -263,12 +263,7 @@ class Params(_Strict):
         if len(set(norms)) != len(norms) or {"norm_before_fc", "fc_norm"} <= set(norms):
             raise ValueError(f"train.draft_norms {norms}: each at most once, and norm_before_fc or fc_norm, not both "
                              "(vLLM's llama_eagle3.py builds one RMSNorm over the aux states or one per state)")
-        from eaglepipe.contract.variants import unserved
-
-        if self.framework != "hf" and (why := unserved(self.framework, list(norms))):
-            raise ValueError(f"train.draft_norms {norms} with framework {self.framework}: {why}; drop "
-                             f"norm_before_residual or serve with vllm")
-        return self
+        return self  # which engine reads which: eaglepipe/contract/variants.py, checked at check_params
 
     @model_validator(mode="after")
     def _parallel_engines(self) -> "Params":

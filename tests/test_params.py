@@ -119,8 +119,6 @@ def test_a_bad_profile_fails_before_dvc_runs_anything(tmp_path):
     ({"extract": {"regenerate_engine": "tgi"}}, "'extract.regenerate_engine' = 'tgi'"),
     ({"train": {"draft_norms": ["norm_before"]}}, "'train.draft_norms.0' = 'norm_before'"),
     ({"train": {"draft_norms": ["norm_before_fc", "fc_norm"]}}, "norm_before_fc or fc_norm, not both"),
-    ({"framework": "sglang", "train": {"draft_norms": ["norm_before_residual"]}},
-     "sglang 0.5.23 does not read norm_before_residual"),
 ])
 def test_bad_params_are_named(patch, expect):
     raw = defaults()
@@ -211,3 +209,20 @@ def test_layer_n_refused_at_extracts_start_with_exit_2(tmp_path):
     assert not (tmp_path / "extract.json").exists()
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     assert "layers" not in dvc["target"]["params"] and "layers" in dvc["extract"]["params"]
+
+
+def test_a_norm_the_serving_engine_does_not_read_is_refused_at_check_params(tmp_path):
+    """SGLang ignores norm_before_residual: check_params exits 2 naming it, before any work; vLLM reads it."""
+    raw = defaults()
+    raw["framework"], raw["train"] = "sglang", {**raw["train"], "draft_norms": ["norm_before_residual"]}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, str(REPO / "stages/check_params.py"), str(tmp_path / "ok.json")],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 2 and not (tmp_path / "ok.json").exists(), r.stdout + r.stderr
+    assert "train.draft_norms ['norm_before_residual'] with framework sglang: sglang 0.5.23 does not read " \
+           "norm_before_residual" in r.stderr
+    raw["framework"] = "vllm"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, str(REPO / "stages/check_params.py"), str(tmp_path / "ok.json")],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -15,6 +15,8 @@ speculators 0.9.0 trains eagle3 drafts with norm_before_fc, norm_before_residual
 
 from __future__ import annotations
 
+from eaglepipe.errors import ParamsError
+
 KEYS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 TENSORS = {"norm_before_fc": "input_norm.weight", "fc_norm": "fc_norm.0.weight"}  # the tensor each adds
 UNREAD = {  # engine → flag → where its code shows it is not read
@@ -36,6 +38,14 @@ def unserved(engine: str, flags: list[str]) -> str | None:
     """Why ``engine`` would serve a draft with these flags as another model than it was trained as, or None."""
     why = [UNREAD.get(engine, {})[f] for f in flags if f in UNREAD.get(engine, {})]
     return "; ".join(w + ": it would serve another draft than the one trained, silently" for w in why) or None
+
+
+def require_served(framework: str, norms: list[str]) -> None:
+    """Raise ParamsError (exit 2 at check_params) when the serving ``framework`` does not read one of
+    ``train.draft_norms``: the draft would be served as another model than it is trained as, silently."""
+    if framework != "hf" and (why := unserved(framework, list(norms))):
+        raise ParamsError(f"train.draft_norms {list(norms)} with framework {framework}: {why}; drop "
+                          "norm_before_residual or serve with vllm")
 
 
 def judge(flags_by_engine: dict[str, list[str]], tensor_names: set[str]) -> tuple[list[str], list[str]]:
