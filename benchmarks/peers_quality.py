@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.data.features import FeatureSet  # noqa: E402
 from eaglepipe.data.prompts import humaneval_prompts, mtbench_first_turns  # noqa: E402
-from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft  # noqa: E402
+from eaglepipe.model.draft import NORMS, DraftConfig, Eagle3Draft, save_draft  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
 from eaglepipe.serving.evaluate import eval_prompts, reference_eval  # noqa: E402
 from eaglepipe.target.config import read_target_config  # noqa: E402
@@ -227,9 +227,8 @@ def to_eaglepipe(model, p: TrainParams, fs: FeatureSet, target: Path, out: Path,
 
     c = model.config
     assert not c.fc_norm, "fc_norm: not a speculators default; the check below reads input_norm only"
-    cfg = DraftConfig.from_target(read_target_config(target), len(fs.layers), p.draft_vocab_size)
-    cfg.norm_before_fc, cfg.fc_norm = bool(c.norm_before_fc), bool(c.fc_norm)
-    cfg.norm_before_residual, cfg.norm_output = bool(c.norm_before_residual), bool(c.norm_output)
+    cfg = DraftConfig.from_target(read_target_config(target), len(fs.layers), p.draft_vocab_size,
+                                  norms=[k for k in NORMS if getattr(c, k)])  # its flags have the engines' names
     draft = Eagle3Draft(cfg)
     theirs = model.state_dict()
     mine = {k.replace("layers.0.", "midlayer."): v for k, v in theirs.items()

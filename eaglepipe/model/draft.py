@@ -28,16 +28,13 @@ saved. The decoder layer, as both engines run it (their fused add-norm written o
 ``out`` (before ``norm``) is what both engines feed back as the next draft step's ``hidden``: SGLang returns
 ``hidden_states_to_aux`` from its fused ``norm(hidden, residual)``, vLLM returns ``hidden_prenorm``.
 
-EAGLE-3.1 variants (``DraftConfig`` flags, the config keys both engines read; speculators 0.9.0 trains its eagle3
-drafts with norm_before_fc, norm_before_residual and norm_output on by default, ``speculators/train/config/schema.py``):
+EAGLE-3.1 variants (``DraftConfig`` flags; which engine reads which: :mod:`eaglepipe.contract.variants`), as
+vllm's ``llama_eagle3.py`` computes them:
 
-    norm_before_fc        fc(input_norm(cat_l aux_l)), ``input_norm.weight`` (L·Ht,)     vllm ``combine_hidden_states``
+    norm_before_fc        fc(input_norm(cat_l aux_l)), ``input_norm.weight`` (L·Ht,)     ``combine_hidden_states``
     fc_norm               fc(cat_l fc_norm[l](aux_l)), ``fc_norm.{l}.weight`` (Ht,) each  (exclusive with the above)
-    norm_before_residual  residual = hidden_norm(hidden) instead of hidden                vllm ``_norm_before_residual``
-    norm_output           norm(out), not out, feeds the next draft step                   vllm ``aux_output``
-
-SGLang 0.5.23 (``srt/models/llama_eagle3.py``) reads norm_before_fc, fc_norm and norm_output but not
-norm_before_residual (its layer always keeps the raw residual).
+    norm_before_residual  residual = hidden_norm(hidden) instead of hidden                ``_norm_before_residual``
+    norm_output           norm(out), not out, feeds the next draft step                   ``aux_output``
 
 Shapes: B batch, T tokens, L aux layers, Ht target hidden, H draft hidden (= the target's, embeddings are
 shared), nh / nkv query / key-value heads, hd head dim, I intermediate size, V target vocab, Vd draft vocab.
@@ -54,6 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from eaglepipe.contract.variants import KEYS as NORMS
 from eaglepipe.errors import EaglepipeError
 from eaglepipe.model.rope import inv_freq_and_scaling, rope_parameters
 
@@ -121,6 +119,11 @@ class DraftConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def norms(self) -> list[str]:
+        """The EAGLE-3.1 flags switched on, in :data:`eaglepipe.contract.variants.KEYS` order ([] = EAGLE-3)."""
+        return [k for k in NORMS if getattr(self, k)]
 
     @property
     def rope(self) -> dict:

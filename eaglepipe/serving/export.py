@@ -66,17 +66,6 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.
     }
 
 
-def variant_fields(cfg: DraftConfig) -> dict:
-    """The EAGLE-3.1 flags a draft sets, as top-level config keys (:mod:`eaglepipe.contract.variants`: which engine
-    reads which). Absent keys mean the plain EAGLE-3 draft in both engines, so only the flags that are on go in."""
-    return {k: True for k in variants.KEYS if getattr(cfg, k)}
-
-
-def unserved_variant(engine: str, cfg: DraftConfig) -> str | None:
-    """Why ``engine`` would serve this draft as another model than it was trained as, or None."""
-    return variants.unserved(engine, [k for k in variants.KEYS if getattr(cfg, k)])
-
-
 def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> None:
     """Raise ExportError naming every missing, unexpected or misshapen tensor, or a d2t/t2d inconsistency."""
     want = expected_shapes(cfg)
@@ -139,7 +128,7 @@ def draft_config_json(cfg: DraftConfig, target_cfg: dict, dtype: str) -> dict:
         "pad_token_id": target_cfg.get("pad_token_id"),
         "torch_dtype": dtype,
         "dtype": dtype,
-        **variant_fields(cfg),
+        **dict.fromkeys(cfg.norms, True),  # EAGLE-3.1 flags: absent = off in both engines
         "eaglepipe": {"rope": cfg.rope},  # lineage: the RoPE it was trained with (inspect reads it as a fact)
     }
 
@@ -174,7 +163,7 @@ def export_draft(
     convention.check_fc_width(cfg.n_aux * cfg.target_hidden_size, len(layers), cfg.target_hidden_size)
     tensors = load_file(str(drafter_dir / "model.safetensors"))
     check_tensors(tensors, cfg)
-    if (why := unserved_variant(engine, cfg)) is not None:
+    if (why := variants.unserved(engine, cfg.norms)) is not None:
         raise ExportError(f"refusing to export the draft for {engine}: {why}")
     config = draft_config_json(cfg, target_cfg, dtype)
     # The folder's own engine first (its ids must translate), then the other serving engine's ids too, each in
@@ -222,7 +211,7 @@ def export_all(drafter_dir: Path, target_dir: Path, out_dir: Path, layers: list[
     cfg = DraftConfig(**json.loads((drafter_dir / "config.json").read_text())["draft"])
     verdict = {}
     for engine, plan in plans.items():
-        if (why := unserved_variant(engine, cfg)) is not None:
+        if (why := variants.unserved(engine, cfg.norms)) is not None:
             if engine == framework:
                 raise ExportError(f"framework {engine}: {why}; serve with vllm or train without it")
             log.warning("no %s folder: %s", engine, why)
