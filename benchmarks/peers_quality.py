@@ -289,7 +289,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--peer-path", help="where the speculators wheel (and hs_connectors) were installed")
-    ap.add_argument("--work", type=Path, default=REPO / ".scratch/peers_quality")
+    ap.add_argument("--work", type=Path, default=REPO / "data/.scratch/peers_quality")  # ignored by git
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     if a.peer_path:
