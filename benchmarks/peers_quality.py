@@ -3,7 +3,8 @@
     python benchmarks/peers_quality.py --target data/target --features data/features \\
         --peer-path /tmp/peers --out benchmarks/peers_quality_cpu.json            # after `dvc repro` (CPU-sized)
     python benchmarks/peers_quality.py ... --profile profiles/gpu.yaml --mtbench 80 --humaneval 164 --max-new 128 \
-        --out benchmarks/peers_quality.json                                     # the GPU run
+        --judge-workers 12 --out benchmarks/peers_quality.json                  # the GPU run
+    ... --phase train --recipes speculators; ... --phase judge                  # the same in parts (--work kept)
 
 One features store (extract's output, ``extract.store: features``), one split: train_drafter's own
 (``train.eval_fraction`` held out by :func:`eaglepipe.train.packing.split_samples`); every recipe trains for
@@ -32,7 +33,9 @@ chaining ``--k`` tokens greedily, outputs checked equal to greedy decoding) on t
 first turns and ``--humaneval`` HumanEval prompts, ``--max-new`` tokens each. One row per recipe and benchmark:
 ``{recipe, machine, conversations, epochs, train_tokens, train_s, judge, benchmark, tau,
 acceptance_per_position}`` (plus the recipe's settings), appended to ``--out`` (rows of the same recipe,
-benchmark and machine replaced).
+benchmark and machine replaced). Greedy decoding runs once per prompt for all drafts judged together; the prompts
+are split over ``--judge-workers`` processes. ``--phase train`` keeps each draft in ``--work`` with its
+``peers_info.json``; ``--phase judge`` judges every draft kept there.
 """
 
 from __future__ import annotations
@@ -82,13 +85,12 @@ def train_params(params: Path, profile: Path | None, sets: list[str], epochs: in
 # ---------------------------------------------------------------- eaglepipe
 
 
-def eaglepipe_recipe(a, p: TrainParams, work: Path) -> tuple[Path, dict]:
+def eaglepipe_recipe(a, p: TrainParams, work: Path, out: Path) -> dict:
     from eaglepipe.train.loop import train_drafter
 
-    out = work / "draft-eaglepipe"
     shutil.rmtree(work / "scratch-eaglepipe", ignore_errors=True)
     s = train_drafter(a.features, a.target, out, p, scratch_dir=work / "scratch-eaglepipe")
-    return out, {"train_tokens": s["train_tokens"], "train_s": s["seconds"], "kept_epoch": s["best"]["epoch"] + 1,
+    return {"train_tokens": s["train_tokens"], "train_s": s["seconds"], "kept_epoch": s["best"]["epoch"] + 1,
                  "settings": {"set": a.set}}
 
 
@@ -139,7 +141,7 @@ def speculators_args(a, p: TrainParams, layers: list[int], work: Path, cuda: boo
     return args
 
 
-def speculators_recipe(a, p: TrainParams, work: Path) -> tuple[Path, dict]:
+def speculators_recipe(a, p: TrainParams, work: Path, out: Path) -> dict:
     from train_step import install_stubs  # openai, datasets, hs_connectors: imported, never run here
 
     install_stubs()
@@ -185,11 +187,10 @@ def speculators_recipe(a, p: TrainParams, work: Path) -> tuple[Path, dict]:
         cpu_train(model, tc, loaders[0])
     train_s = time.perf_counter() - t0
     tokens = a.epochs * sum(len(s["input_ids"]) for s in data["train"])
-    out = work / "draft-speculators"
     to_eaglepipe(model.cpu().float(), p, fs, a.target, out, data["val"][0])
     keys = ("optimizer", "lr", "loss_fn", "ttt_step_loss_decay", "total_seq_len", "scheduler_type",
             "norm_before_fc", "norm_before_residual", "norm_output", "draft_attn_impl", "loss_implementation")
-    return out, {"train_tokens": tokens, "train_s": round(train_s, 1), "kept_epoch": a.epochs,
+    return {"train_tokens": tokens, "train_s": round(train_s, 1), "kept_epoch": a.epochs,
                  "settings": {k: getattr(args, k) for k in keys}}
 
 
@@ -260,18 +261,70 @@ def to_eaglepipe(model, p: TrainParams, fs: FeatureSet, target: Path, out: Path,
 RECIPES = {"eaglepipe": eaglepipe_recipe, "speculators": speculators_recipe}
 
 
-def judge(a, drafter: Path, layers: list[int]) -> dict[str, dict]:
-    """benchmark → reference_eval's result, plus ``prompts`` (how many were judged)."""
+def judge_shard(target: Path, drafters: list[Path], layers: list[int], prompts: list[dict], k: int,
+                max_new: int, threads: int) -> tuple[list, list[int]]:
+    """Every drafter on ``prompts`` with one target: greedy decoding once per prompt, then each drafter's
+    speculative decoding checked equal to it → (SpecStats per drafter, prompts equal per drafter)."""
+    from eaglepipe.model.draft import load_draft
+    from eaglepipe.serving.evaluate import load_reference
+    from eaglepipe.serving.specdec import Eagle3Drafter, SpecStats, Target, greedy_generate, speculative_generate
+
+    torch.set_num_threads(threads)
+    with torch.inference_mode():
+        model, eos_ids = load_reference(target)
+        drafts = [load_draft(d, model.device.type) for d in drafters]
+        stats, equal = [SpecStats(k) for _ in drafters], [0] * len(drafters)
+        for prompt in prompts:
+            ref, _ = greedy_generate(model, prompt["input_ids"], max_new, eos_ids)
+            for i, draft in enumerate(drafts):
+                out, st = speculative_generate(Target(model, layers), Eagle3Drafter(draft, model.model.embed_tokens
+                                                                                    .weight),
+                                               prompt["input_ids"], k, max_new, eos_ids)
+                stats[i] += st
+                equal[i] += out == ref
+    return stats, equal
+
+
+def judge(a, drafters: list[Path], layers: list[int]) -> dict[str, list[dict]]:
+    """benchmark → per drafter {tau, acceptance_per_pos, prompts, prompts_equal}: the reference decoder, its
+    prompts split over ``--judge-workers`` processes (one fp32 target each; greedy decoding is deterministic, so
+    the split changes no figure)."""
+    import multiprocessing as mp
+
     from transformers import AutoTokenizer
+
+    from eaglepipe.serving.specdec import SpecStats
 
     tok = AutoTokenizer.from_pretrained(a.target)
     sets = {"mtbench": (mtbench_first_turns(), a.mtbench), "humaneval": (humaneval_prompts(a.humaneval), a.humaneval)}
+    n, threads = a.judge_workers, max(1, torch.get_num_threads() // a.judge_workers)
     out = {}
-    for name, (recs, n) in sets.items():
-        if n > 0:
-            prompts = eval_prompts(tok, recs, n)
-            out[name] = {**reference_eval(a.target, drafter, layers, prompts, a.k, a.max_new), "prompts": len(prompts)}
+    for name, (recs, count) in sets.items():
+        if count <= 0:
+            continue
+        prompts = eval_prompts(tok, recs, count)
+        jobs = [(a.target, drafters, layers, prompts[w::n], a.k, a.max_new, threads) for w in range(n)]
+        t0 = time.perf_counter()
+        if n == 1:
+            parts = [judge_shard(*jobs[0])]
+        else:
+            with mp.get_context("spawn").Pool(n) as pool:
+                parts = pool.starmap(judge_shard, jobs)
+        print(f"judged {name}: {len(prompts)} prompts × {len(drafters)} drafts in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        out[name] = []
+        for i in range(len(drafters)):
+            st = SpecStats(a.k)
+            for stats, _ in parts:
+                st += stats[i]
+            out[name].append({"tau": st.tau, "acceptance_per_pos": st.acceptance_per_pos, "prompts": len(prompts),
+                              "prompts_equal": sum(eq[i] for _, eq in parts)})
     return out
+
+
+def trained(work: Path) -> list[tuple[Path, dict]]:
+    """The drafts a ``--phase train`` left in ``work``: (folder, its peers_info.json), in name order."""
+    return [(f.parent, json.loads(f.read_text())) for f in sorted(work.glob("draft-*/peers_info.json"))]
 
 
 def main() -> None:
@@ -291,6 +344,9 @@ def main() -> None:
     ap.add_argument("--peer-path", help="where the speculators wheel (and hs_connectors) were installed")
     ap.add_argument("--work", type=Path, default=REPO / "data/.scratch/peers_quality")  # ignored by git
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--phase", choices=["all", "train", "judge"], default="all",
+                    help="train: only train (each draft kept in --work); judge: only judge the drafts kept there")
+    ap.add_argument("--judge-workers", type=int, default=1, help="processes judging side by side (GPU: ~12)")
     a = ap.parse_args()
     if a.peer_path:
         sys.path.insert(0, a.peer_path)
@@ -298,23 +354,34 @@ def main() -> None:
     p = train_params(a.params, a.profile, a.set, a.epochs)
     fs = FeatureSet(a.features)
     fs.require_store("features", "benchmarks/peers_quality.py (the peers read stored hidden states)")
+    done = []
+    if a.phase != "judge":
+        for recipe in a.recipes:
+            name = recipe + "".join(f" {s}" for s in (a.set if recipe == "eaglepipe" else a.spec_set))
+            out = a.work / ("draft-" + "_".join(name.replace("=", "-").split()))
+            info = RECIPES[recipe](a, p, a.work, out)
+            (out / "peers_info.json").write_text(json.dumps({"recipe": name, **info}, indent=1) + "\n")
+            done.append(out)
+    if a.phase == "train":
+        return
+    drafts = [d for d in trained(a.work) if a.phase == "judge" or d[0] in done]
     rows = json.loads(a.out.read_text()) if a.out.exists() else []
-    for recipe in a.recipes:
-        name = recipe + "".join(f" {s}" for s in (a.set if recipe == "eaglepipe" else a.spec_set))
-        drafter, info = RECIPES[recipe](a, p, a.work)
-        for bench, r in judge(a, drafter, fs.layers).items():
-            row = {"recipe": name, "machine": machine(), "conversations": len(fs), "epochs": a.epochs,
+    results = judge(a, [d for d, _ in drafts], fs.layers)
+    for bench, per_draft in results.items():
+        for (_, info), r in zip(drafts, per_draft):
+            row = {"recipe": info["recipe"], "machine": machine(), "conversations": len(fs), "epochs": a.epochs,
                    "train_tokens": info["train_tokens"], "train_s": info["train_s"], "judge": f"reference k={a.k}",
                    "benchmark": bench, "prompts": r["prompts"],
                    "max_new_tokens": a.max_new, "tau": round(r["tau"], 4),
                    "acceptance_per_position": [round(x, 4) for x in r["acceptance_per_pos"]],
-                   "outputs_equal": r["outputs_equal"], "kept_epoch": info["kept_epoch"],
+                   "outputs_equal": r["prompts_equal"] == r["prompts"], "kept_epoch": info["kept_epoch"],
                    "settings": info["settings"]}
-            rows = [x for x in rows if (x["recipe"], x["benchmark"], x["machine"]) != (name, bench, row["machine"])]
+            rows = [x for x in rows if (x["recipe"], x["benchmark"], x["machine"]) != (row["recipe"], bench,
+                                                                                      row["machine"])]
             rows.append(row)
             print("RESULT peers_quality " + json.dumps(row), flush=True)
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(rows, indent=1) + "\n")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,17 @@ def eval_prompts(tok, records: list[dict], n: int) -> list[dict]:
     return out
 
 
+def load_reference(target_dir: Path):
+    """The reference decoder's target: the HF model in float32, in eval mode, on CUDA when there is one (else
+    the CPU), and its EOS token ids (generation_config's, one or a list) → ``(model, eos_ids)``."""
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(dev).eval()
+    eos = model.generation_config.eos_token_id
+    return model, set(eos if isinstance(eos, list) else [eos])
+
+
 @torch.inference_mode()
 def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], prompts: list[dict], k: int,
                    max_new_tokens: int, keep_outputs: bool = False) -> dict:
@@ -41,13 +52,9 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
     ``keep_outputs`` the greedy outputs (token ids per prompt) as ``outputs_greedy``, to compare with an
     engine's plain outputs.
     """
-    from transformers import AutoModelForCausalLM
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(dev).eval()
+    model, eos_ids = load_reference(target_dir)
+    dev = model.device.type
     draft = load_draft(drafter_dir, dev)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
     embed = model.model.embed_tokens.weight
     total, by_source, equal, plain_s, plain_tokens, greedy = SpecStats(k), {}, 0, 0.0, 0, []
     for prompt in tqdm(prompts, desc="reference τ", unit="prompt"):
