@@ -57,7 +57,7 @@ from eaglepipe.data.features import FeatureSet  # noqa: E402
 from eaglepipe.data.prompts import humaneval_prompts, mtbench_first_turns  # noqa: E402
 from eaglepipe.model.draft import NORMS, DraftConfig, Eagle3Draft, save_draft  # noqa: E402
 from eaglepipe.params import TrainParams  # noqa: E402
-from eaglepipe.serving.evaluate import eval_prompts, reference_eval  # noqa: E402
+from eaglepipe.serving.evaluate import eval_prompts  # noqa: E402
 from eaglepipe.target.config import read_target_config  # noqa: E402
 from eaglepipe.train.packing import split_samples  # noqa: E402
 
