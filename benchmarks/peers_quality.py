@@ -91,7 +91,7 @@ def eaglepipe_recipe(a, p: TrainParams, work: Path, out: Path) -> dict:
     shutil.rmtree(work / "scratch-eaglepipe", ignore_errors=True)
     s = train_drafter(a.features, a.target, out, p, scratch_dir=work / "scratch-eaglepipe")
     return {"train_tokens": s["train_tokens"], "train_s": s["seconds"], "kept_epoch": s["best"]["epoch"] + 1,
-                 "settings": {"set": a.set}}
+            "settings": {"set": a.set}, "tau_sim": {e: v["tau_sim"] for e, v in s["evals"].items()}}
 
 
 # ---------------------------------------------------------------- speculators 0.9.0
@@ -375,7 +375,7 @@ def main() -> None:
                    "max_new_tokens": a.max_new, "tau": round(r["tau"], 4),
                    "acceptance_per_position": [round(x, 4) for x in r["acceptance_per_pos"]],
                    "outputs_equal": r["prompts_equal"] == r["prompts"], "kept_epoch": info["kept_epoch"],
-                   "settings": info["settings"]}
+                   "settings": info["settings"], **({"tau_sim_by_epoch": info["tau_sim"]} if "tau_sim" in info else {})}
             rows = [x for x in rows if (x["recipe"], x["benchmark"], x["machine"]) != (row["recipe"], bench,
                                                                                       row["machine"])]
             rows.append(row)

@@ -39,7 +39,7 @@ def eval_summary(results, steps: int) -> dict:
         correct += r.correct.cpu()
         counted += r.counted.cpu()
         trained += r.trained.cpu()
-        loss, n = loss + float(r.loss), n + 1
+        loss, n = loss + float(r.loss.detach()), n + 1
     acc = (correct / counted.clamp(min=1)).tolist()
     return {
         "loss": loss / max(n, 1),
