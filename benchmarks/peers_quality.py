@@ -263,25 +263,21 @@ RECIPES = {"eaglepipe": eaglepipe_recipe, "speculators": speculators_recipe}
 
 def judge_shard(target: Path, drafters: list[Path], layers: list[int], prompts: list[dict], k: int,
                 max_new: int, threads: int) -> tuple[list, list[int]]:
-    """Every drafter on ``prompts`` with one target: greedy decoding once per prompt, then each drafter's
-    speculative decoding checked equal to it → (SpecStats per drafter, prompts equal per drafter)."""
+    """Every drafter on ``prompts`` with one target (greedy decoding once per prompt, each drafter's output
+    checked equal to it) → (SpecStats per drafter, prompts equal per drafter)."""
     from eaglepipe.model.draft import load_draft
-    from eaglepipe.serving.evaluate import load_reference
-    from eaglepipe.serving.specdec import Eagle3Drafter, SpecStats, Target, greedy_generate, speculative_generate
+    from eaglepipe.serving.evaluate import decode_prompt, load_reference
+    from eaglepipe.serving.specdec import SpecStats
 
     torch.set_num_threads(threads)
-    with torch.inference_mode():
-        model, eos_ids = load_reference(target)
-        drafts = [load_draft(d, model.device.type) for d in drafters]
-        stats, equal = [SpecStats(k) for _ in drafters], [0] * len(drafters)
-        for prompt in prompts:
-            ref, _ = greedy_generate(model, prompt["input_ids"], max_new, eos_ids)
-            for i, draft in enumerate(drafts):
-                out, st = speculative_generate(Target(model, layers), Eagle3Drafter(draft, model.model.embed_tokens
-                                                                                    .weight),
-                                               prompt["input_ids"], k, max_new, eos_ids)
-                stats[i] += st
-                equal[i] += out == ref
+    model, eos_ids = load_reference(target)
+    drafts = [load_draft(d, model.device.type) for d in drafters]
+    stats, equal = [SpecStats(k) for _ in drafters], [0] * len(drafters)
+    for prompt in prompts:
+        runs, ref, _ = decode_prompt(model, eos_ids, drafts, layers, prompt["input_ids"], k, max_new)
+        for i, (out, st) in enumerate(runs):
+            stats[i] += st
+            equal[i] += out == ref
     return stats, equal
 
 

@@ -13,6 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from eaglepipe.contract.boundaries import list_problem
+from eaglepipe.contract.variants import KEYS as NORM_KEYS
+from eaglepipe.contract.variants import combination_problem
 from eaglepipe.engine_table import NAMES as ENGINE_NAMES
 from eaglepipe.errors import ParamsError
 
@@ -147,7 +149,7 @@ class TrainParams(_Strict):
                                          "intermediate_size); 0 = the target's. Both engines build the draft "
                                          "layer's MLP from the draft's own config (vLLM llama_eagle3.py / SGLang "
                                          "llama_eagle3.py via llama.py's LlamaMLP), so any width serves")
-    draft_norms: list[Literal["norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"]] = Field(
+    draft_norms: list[Literal[NORM_KEYS]] = Field(
         [], description="EAGLE-3.1 norms the draft adds, written to its config as the keys both engines read "
         "(eaglepipe/contract/variants.py): norm_before_fc (one RMSNorm over the aux states before fc) or fc_norm (one "
         "per aux state), norm_before_residual (the layer's residual normed), norm_output (the normed output feeds the "
@@ -259,10 +261,8 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _draft_norms(self) -> "Params":
-        norms = self.train.draft_norms
-        if len(set(norms)) != len(norms) or {"norm_before_fc", "fc_norm"} <= set(norms):
-            raise ValueError(f"train.draft_norms {norms}: each at most once, and norm_before_fc or fc_norm, not both "
-                             "(vLLM's llama_eagle3.py builds one RMSNorm over the aux states or one per state)")
+        if (why := combination_problem(self.train.draft_norms)) is not None:
+            raise ValueError(f"train.draft_norms {why}")
         return self  # which engine reads which: eaglepipe/contract/variants.py, checked at check_params
 
     @model_validator(mode="after")

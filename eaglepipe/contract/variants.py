@@ -25,6 +25,14 @@ UNREAD = {  # engine → flag → where its code shows it is not read
 }
 
 
+def combination_problem(norms: list[str]) -> str | None:
+    """Why these flags cannot make one draft (a flag twice, or both fc norms), or None."""
+    if len(set(norms)) != len(norms) or {"norm_before_fc", "fc_norm"} <= set(norms):
+        return (f"{list(norms)}: each at most once, and norm_before_fc or fc_norm, not both: they are exclusive "
+                "(vLLM's llama_eagle3.py builds one RMSNorm over the aux states or one per state)")
+    return None
+
+
 def config_flags(cfg: dict) -> list[str]:
     """The variant flags a draft ``config.json`` dict switches on (top level, or norm_before_fc in
     ``eagle_config``; fc_norm also under its older name ``use_aux_norm``), in :data:`KEYS` order."""

@@ -52,6 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eaglepipe.contract.variants import KEYS as NORMS
+from eaglepipe.contract.variants import combination_problem
 from eaglepipe.errors import EaglepipeError
 from eaglepipe.model.rope import inv_freq_and_scaling, rope_parameters
 
@@ -84,9 +85,8 @@ class DraftConfig:
     norm_output: bool = False
 
     def __post_init__(self):
-        if self.norm_before_fc and self.fc_norm:
-            raise EaglepipeError("norm_before_fc and fc_norm are exclusive (vllm llama_eagle3.py builds either "
-                                 "one RMSNorm over the concatenated aux states or one per aux state)")
+        if (why := combination_problem(self.norms)) is not None:
+            raise EaglepipeError(f"draft norms {why}")
 
     @classmethod
     def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int,

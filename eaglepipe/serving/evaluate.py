@@ -42,6 +42,19 @@ def load_reference(target_dir: Path):
 
 
 @torch.inference_mode()
+def decode_prompt(model, eos_ids: set[int], drafts: list, layers: list[int], prompt: list[int], k: int,
+                  max_new_tokens: int) -> tuple[list[tuple[list[int], SpecStats]], list[int], float]:
+    """One prompt through the reference decoder: speculative decoding with each of ``drafts`` (Eagle3Draft on the
+    target's device, ``k`` tokens a round, aux states at ``layers``), then plain greedy decoding once (the
+    baseline every draft's output must equal) → ([(tokens, SpecStats)] per draft, greedy tokens, greedy seconds).
+    ``model``, ``eos_ids``: :func:`load_reference`'s."""
+    embed = model.model.embed_tokens.weight
+    runs = [speculative_generate(Target(model, layers), Eagle3Drafter(d, embed), prompt, k, max_new_tokens, eos_ids)
+            for d in drafts]
+    return (runs, *greedy_generate(model, prompt, max_new_tokens, eos_ids))
+
+
+@torch.inference_mode()
 def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], prompts: list[dict], k: int,
                    max_new_tokens: int, keep_outputs: bool = False) -> dict:
     """τ, acceptance per position and tokens/s of the plain-torch speculative decoder (HF target + draft)
@@ -55,12 +68,9 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
     model, eos_ids = load_reference(target_dir)
     dev = model.device.type
     draft = load_draft(drafter_dir, dev)
-    embed = model.model.embed_tokens.weight
     total, by_source, equal, plain_s, plain_tokens, greedy = SpecStats(k), {}, 0, 0.0, 0, []
     for prompt in tqdm(prompts, desc="reference τ", unit="prompt"):
-        out, st = speculative_generate(Target(model, layers), Eagle3Drafter(draft, embed), prompt["input_ids"], k,
-                                       max_new_tokens, eos_ids)
-        ref, sec = greedy_generate(model, prompt["input_ids"], max_new_tokens, eos_ids)
+        [(out, st)], ref, sec = decode_prompt(model, eos_ids, [draft], layers, prompt["input_ids"], k, max_new_tokens)
         equal += out == ref
         greedy.append(ref)
         plain_s, plain_tokens = plain_s + sec, plain_tokens + len(ref)
