@@ -10,10 +10,10 @@
 # There, back to back (/tmp lives only while the machine stays held), each call's steps in order:
 #   carry .whl .gpu/peers/a:  bash lab/gpu_peers.sh stash-a setup        (seconds)
 #   carry .gpu/peers/b:       bash lab/gpu_peers.sh stash-b data features train-speculators   (~4.5 min)
-#   (no carry):               bash lab/gpu_peers.sh train-eaglepipe                           (~2.5 min cold)
+#   (no carry):               bash lab/gpu_peers.sh train-eaglepipe                           (136 s, first run)
 #   (no carry):               bash lab/gpu_peers.sh judge                 (~7 min for 2 drafts, 12 workers)
 # Optional calls: `trainstep` (train_step.py: speculators vs the product's graphed step; its eaglepipe rows
-# compile for minutes, give it TRAINSTEP_S=500), `tests` (the engine-free tests on the CPU cores).
+# were not reached within 230 s: give it TRAINSTEP_S=500), `tests` (the engine-free tests on the CPU cores).
 # Results (peers_quality.json, train_step.json, logs, the stages' reports) are copied to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
