@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def start(name: str) -> Params:
     try:
         return load_params()
     except EaglepipeError as e:
-        print(e, file=sys.stderr)
+        _say(str(e))
         raise SystemExit(2)
 
 
@@ -57,6 +58,20 @@ def scratch_dir_of(out_dir: str | Path) -> Path:
     killed midway resumes it (extract's shards, train_drafter's checkpoints)."""
     out_dir = Path(out_dir)
     return out_dir.parent / ".scratch" / out_dir.name
+
+
+def _say(message: str) -> None:
+    """Print ``message`` and its newline to stderr in one write(2): the ranks of a torchrun launch share the
+    stage's stderr, and a pipe keeps a write of up to PIPE_BUF (4 KiB) bytes whole, so their lines never mix."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured in-process)
+        print(message, file=sys.stderr)
+        return
+    data = (message + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def run(main) -> None:
@@ -71,25 +86,25 @@ def run(main) -> None:
     try:
         main()
     except EaglepipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         raise SystemExit(2 if isinstance(e, ParamsError) else 1)
     except FileNotFoundError as e:
         stage = writer_of(e.filename) if e.filename else None
         how = f"; stage `{stage}` writes it: run `dvc repro {stage}`" if stage else ""
-        print(f"error: stage `{_stage()}`: no such file or folder: {e.filename or e}{how}", file=sys.stderr)
+        _say(f"error: stage `{_stage()}`: no such file or folder: {e.filename or e}{how}")
         raise SystemExit(1)
     except OSError as e:
         if not is_full(e):
             raise
-        print(f"error: stage `{_stage()}`: no space left on the device ({e}). Free space and rerun: the stage "
-              "resumes from the work it finished", file=sys.stderr)
+        _say(f"error: stage `{_stage()}`: no space left on the device ({e}). Free space and rerun: the stage "
+             "resumes from the work it finished")
         raise SystemExit(1)
     except Exception as e:  # memory: MemoryError, torch.OutOfMemoryError (CUDA), known without importing torch
         if not isinstance(e, MemoryError) and type(e).__name__ != "OutOfMemoryError":
             raise
-        print(f"error: stage `{_stage()}` ran out of memory ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
-              ". Lower its batch params (extract.batch_size, train.batch_tokens, serve.batch_sizes) or free memory, "
-              "and rerun: it resumes from the work it finished", file=sys.stderr)
+        _say(f"error: stage `{_stage()}` ran out of memory ({(str(e).splitlines() or [type(e).__name__])[0][:200]})"
+             ". Lower its batch params (extract.batch_size, train.batch_tokens, serve.batch_sizes) or free memory, "
+             "and rerun: it resumes from the work it finished")
         raise SystemExit(1)
 
 
