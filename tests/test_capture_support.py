@@ -9,24 +9,30 @@ and real captures of tiny phi3 / granite / olmo2 targets through vLLM against ea
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from packaging.version import Version
 
-from eaglepipe.contract import capture_scan, capture_support
+from eaglepipe.contract import capture_code, capture_scan, capture_support
 from eaglepipe.contract import convention as conv
 from eaglepipe.contract.rules import ANY, RULES, version_matches
+from eaglepipe.contract.source_index import SourceIndex
 from eaglepipe.errors import ConventionError
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = capture_support.table()
-SGL, VLLM = TABLE["sglang"]["version"], TABLE["vllm"]["version"]
+# the installed releases (else the newest read): the sections the installed-engine tests compare against
+SGL, VLLM = (conv.installed_version(e) or capture_support.read_versions(e)[-1] for e in ("sglang", "vllm"))
+SECTIONS = {"sglang": capture_support.section("sglang", SGL), "vllm": capture_support.section("vllm", VLLM)}
 LLAMA = {"vllm": "vllm/model_executor/models/llama.py:LlamaForCausalLM",
          "sglang": "sglang/srt/models/llama.py:LlamaForCausalLM"}
 
@@ -53,7 +59,7 @@ def test_scanner_follows_imports_aliases_and_inheritance(tmp_path):
     (pkg / "phi.py").write_text(
         "from eng.models import Llama\nBase = Llama\nclass Phi(Base):\n    packed = {}\n"
         "class Own(Llama):\n    def __init__(self): pass\nclass Plain:\n    pass\nEntryClass = [Phi, Own, Plain]\n")
-    index = capture_scan.SourceIndex(tmp_path)
+    index = SourceIndex(tmp_path)
     phi, own, plain = (("eng.models.phi", n) for n in ("Phi", "Own", "Plain"))
     llama = ("eng.models.base", "Llama")
     assert index.mro(phi) == [phi, llama]
@@ -73,7 +79,7 @@ def test_every_listed_family_captures_through_a_class_its_rule_was_read_from(eng
     """For the installed version: each family a rule lists maps (transformers' architecture → the engine's
     registry) to a class whose capture code that rule names; a refusal rule's class captures nothing or is named
     by it; and every class a rule names is still one the engine captures with."""
-    body = TABLE[engine]
+    body = SECTIONS[engine]
     version = Version(body["version"])
     code_classes = {row[2] for row in body["architectures"].values() if row[2]}
     checked = 0
@@ -115,10 +121,98 @@ def test_families_no_rule_lists_take_the_rule_of_their_capture_class():
 def test_an_unknown_architecture_runs_in_sglangs_fallback_and_vllm_refuses_to_guess():
     cap = capture_support.lookup("sglang", SGL, "falcon")  # not in SGLang's registry: TransformersForCausalLM
     assert "sglang/srt/models/transformers.py defines no set_eagle3_layers_to_capture" in cap.refusal
-    assert "HeliumForCausalLM" not in TABLE["vllm"]["architectures"]
+    assert "HeliumForCausalLM" not in SECTIONS["vllm"]["architectures"]
     with pytest.raises(ConventionError, match=r"no model class of its own for HeliumForCausalLM .* Transformers "
                                               r"backend, dense or MoE .* refusing to guess"):
         capture_support.lookup("vllm", VLLM, "helium")
+
+
+# --- id forms, releases read from wheels ---------------------------------------------------------------------
+
+_SETTERS = {  # SGLang set_eagle3_layers_to_capture bodies, as the engines write them → the form read
+    "plus_one": "if layer_ids is None:\n    self.model.layers_to_capture = [2, 3]\nelse:\n"
+                "    self.model.layers_to_capture = [val + 1 for val in layer_ids]",
+    "plus_one ": "if layer_ids is None:\n    self.model.set_eagle3_layers_to_capture([2, 3])\nelse:\n"
+                 "    self.model.set_eagle3_layers_to_capture([val + 1 for val in layer_ids])",  # qwen2_moe.py
+    "plus_one_if_first_is_one": "if layer_ids is None:\n    x = [2]\nelse:\n    if layer_ids and layer_ids[0] == 1:\n"
+                                "        x = [val + 1 for val in layer_ids]\n    else:\n        x = layer_ids",
+    "identity_if_max_is_n": "if layer_ids is None:\n    x = [2]\nelse:\n    if layer_ids and max(layer_ids) == n:\n"
+                            "        x = list(layer_ids)\n    else:\n        x = [val + 1 for val in layer_ids]",
+    None: "if layer_ids is None:\n    x = [2]\nelse:\n    x = [val + 2 for val in layer_ids]",
+    "None ": "self.language_model.set_eagle3_layers_to_capture(layer_ids)",  # delegates: not read through
+}
+
+
+@pytest.mark.parametrize("form", list(_SETTERS))
+def test_sglang_id_forms_are_read_from_the_setter(form):
+    body = "\n".join("        " + ln for ln in _SETTERS[form].splitlines())
+    tree = ast.parse(f"class M:\n    def set_eagle3_layers_to_capture(self, layer_ids=None):\n{body}\n")
+    got, line = capture_code.sglang_form(capture_code.method(tree, "M", capture_code.SGLANG_SETTER))
+    assert got == (None if form in (None, "None ") else form.strip()) and line >= 2
+
+
+def test_every_form_a_rule_reads_is_the_form_of_the_classes_it_names():
+    """The id form the scan reads from SGLang's own code is the one each rule with a form was read as (classes
+    that delegate to an inner model, kimi_k25.py, have none)."""
+    facts = SECTIONS["sglang"]["capture_code"]
+    for rule in (r for r in RULES if r.engine == "sglang" and r.form and version_matches(r, Version(SGL))):
+        forms = {facts[c]["form"] for c in rule.classes} - {None}
+        assert forms == {rule.form}, f"{rule.source}: {forms}"
+
+
+def test_qwen2_moe_on_sglang_takes_the_rule_of_its_forms_reading():
+    """No rule names sglang/srt/models/qwen2_moe.py, whose setter passes [val + 1 ...] on to its model: the rule
+    follows from the form, its source naming the line; vLLM's Qwen2MoeForCausalLM has no capture."""
+    rule = conv.rule_for("sglang", "qwen2_moe", SGL)
+    assert rule.read([1, 3], 6) == [2, 4] and rule.form == "plus_one"
+    assert re.match(r"sglang/srt/models/qwen2_moe\.py:\d+: the plus_one form of sglang/srt/models/", rule.source)
+    assert conv.engine_ids("sglang", "qwen2_moe", [2, 3, 4], 6, SGL) == [1, 2, 3]
+    with pytest.raises(ConventionError, match=r"no EAGLE-3 capture for Qwen2MoeForCausalLM .*qwen2_moe\.py"):
+        conv.rule_for("vllm", "qwen2_moe", VLLM)
+
+
+def test_a_wheel_is_read_without_installing_it(tmp_path):
+    """A wheel holding the installed vLLM's registry, interfaces.py and llama.py: its section gives Llama the row
+    and capture-code digest the installed package gives, and says it was read from the wheel, not run."""
+    root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]).parent \
+        if importlib.util.find_spec("vllm") else None
+    if root is None:
+        pytest.skip("vllm is not installed: no engine source to pack")
+    wheel = tmp_path / "vllm-9.9.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for rel in ("registry.py", "interfaces.py", "llama.py"):
+            z.write(root / "vllm/model_executor/models" / rel, f"vllm/model_executor/models/{rel}")
+    got = capture_scan.read_wheel(wheel)["vllm"]["9.9.0"]
+    assert got["read_from"] == f"wheel {wheel.name} (source read, not run)"
+    arch = "LlamaForCausalLM"
+    assert got["architectures"][arch] == SECTIONS["vllm"]["architectures"][arch]
+    assert got["capture_code"][LLAMA["vllm"]]["digest"] == SECTIONS["vllm"]["capture_code"][LLAMA["vllm"]]["digest"]
+    with pytest.raises(ValueError, match="not a wheel of"):
+        capture_scan.read_wheel(tmp_path / "torch-2.0.0-py3-none-any.whl")
+
+
+def test_a_release_read_from_its_wheel_takes_the_rules_of_the_same_capture_code(monkeypatch):
+    """vLLM 0.33.0, read from its wheel: every family gets 0.32.0's ids (the same capture code), the source says
+    it was read and not run; an unread release is refused with the command that reads it; a release whose capture
+    code changed is refused until a rule is read for it."""
+    assert capture_support.section("vllm", "0.33.0")["read_from"].startswith("wheel vllm-0.33.0-")
+    for family, boundaries in (("llama", [0, 3, 6]), ("qwen3_moe", [2, 3, 4]), ("deepseek_v3", [1, 3, 6]),
+                               ("kimi_k25", [2, 3, 4]), ("phi3", [0, 3, 6]), ("granite", [0, 3, 6]),
+                               ("olmo2", [1, 3, 6])):
+        assert conv.engine_ids("vllm", family, boundaries, 6, "0.33.0") == \
+            conv.engine_ids("vllm", family, boundaries, 6, "0.32.0") == boundaries
+    assert "vllm 0.33.0 (wheel vllm-0.33.0-" in conv.rule_for("vllm", "llama", "0.33.0").source
+    with pytest.raises(ConventionError, match=r"no EAGLE-3 capture for Gemma3ForConditionalGeneration"):
+        conv.rule_for("vllm", "gemma3", "0.33.0")
+    with pytest.raises(ConventionError, match=r"vllm 0\.34\.0 .*source was not read.*pip download --no-deps "
+                                              r"vllm==0\.34\.0 -d wheels && python -m eaglepipe\.contract\."
+                                              r"capture_scan --wheel wheels/vllm-0\.34\.0-\*\.whl"):
+        conv.rule_for("vllm", "llama", "0.34.0")
+    changed = json.loads(json.dumps(TABLE))
+    changed["vllm"]["0.33.0"]["capture_code"][LLAMA["vllm"]]["digest"] = "0" * 16
+    monkeypatch.setattr(capture_support, "table", lambda: changed)
+    with pytest.raises(ConventionError, match=r"vllm 0\.33\.0 .*capture code of .*llama\.py:LlamaForCausalLM"):
+        conv.rule_for("vllm", "llama", "0.33.0")
 
 
 # --- the engines' own predicates, imported ---------------------------------------------------------------------
@@ -171,7 +265,7 @@ def _run(script: str) -> dict:
 def test_the_table_agrees_with_vllms_supports_eagle3():
     """Every registered class that imports here: ``supports_eagle3`` (interfaces.py) says what the table says."""
     got = _run(_VLLM_PREDICATE)
-    rows = TABLE["vllm"]["architectures"]
+    rows = SECTIONS["vllm"]["architectures"]
     assert len(got) > 150  # most of the registry imports on CPU (those needing torchvision etc. do not)
     # vllm/models/* are hardware-isolated entry points: the table reads their CUDA branch, a CPU import another
     here = {a: s for a, s in got.items() if not rows[a][0].startswith("vllm/models/")}
@@ -185,7 +279,7 @@ def test_the_table_agrees_with_sglangs_classes():
     """Every SGLang model module that imports on CPU: the MRO owner of set_eagle3_layers_to_capture is the table's
     capture class (same module and name)."""
     got = _run(_SGLANG_OWNER)
-    rows = TABLE["sglang"]["architectures"]
+    rows = SECTIONS["sglang"]["architectures"]
     assert len(got) > 100
 
     def dotted(cls: str | None) -> str | None:

@@ -135,7 +135,7 @@ def test_version_defaults_to_installed(monkeypatch):
         conv.engine_ids("vllm", "llama", [2, 15, 27], 30)
     monkeypatch.setattr(conv, "installed_version", lambda engine: "0.32.0+cpu")
     assert conv.engine_ids("vllm", "llama", [2, 15, 27], 30) == [2, 15, 27]
-    assert conv.KNOWN_VERSIONS == {"sglang": "0.5.23", "vllm": "0.32.0"}
+    assert conv.KNOWN_VERSIONS == {"sglang": "0.5.23", "vllm": "0.33.0"}
 
 
 @pytest.mark.parametrize(
@@ -244,8 +244,8 @@ def test_h200_engine_versions_ids_and_back(engine, version, family, n, boundarie
 
 
 def test_h200_versions_resolve_to_rules():
-    assert conv.VERIFIED_VERSIONS == {"sglang": ("0.5.17", "0.5.23"), "vllm": ("0.26.0", "0.32.0")}
-    assert conv.KNOWN_VERSIONS == {"sglang": "0.5.23", "vllm": "0.32.0"}  # export still targets the newest
+    assert conv.VERIFIED_VERSIONS == {"sglang": ("0.5.17", "0.5.23"), "vllm": ("0.26.0", "0.32.0", "0.33.0")}
+    assert conv.KNOWN_VERSIONS == {"sglang": "0.5.23", "vllm": "0.33.0"}  # export targets the newest read
     assert conv.resolve_version("vllm", "0.26.0") == "0.26.0"
     for engine, version in (("vllm", "0.26.0"), ("vllm", "0.26.0+cu130"), ("sglang", "0.5.17"),
                             ("sglang", "0.5.17.post1")):

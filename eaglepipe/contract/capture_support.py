@@ -40,6 +40,9 @@ class Capture:
     capture_class: str | None  # the class that gives it EAGLE-3 capture; None: it has none
     code_class: str | None  # the class whose code decides what is captured (RULES' ``classes`` name these)
     why_not: str  # the engine's reason template, "{file}", "{cls}" filled by :attr:`refusal`
+    form: str | None = None  # SGLang: the id form of its capture code (capture_code.FORMS), None: no known form
+    at: str = ""  # "file:line" that shows the form (the class's def where there is none)
+    read_from: str = ""  # the section's ``read_from``: the installed package, or a wheel read and not run
 
     @property
     def refusal(self) -> str | None:
@@ -53,13 +56,36 @@ class Capture:
 
 @lru_cache(maxsize=1)
 def table() -> dict:
-    """The capture table (see the module docstring)."""
+    """The capture table (see the module docstring): engine → {version: section}."""
     return json.loads(Path(__file__).with_name(TABLE_FILE).read_text())
+
+
+def reading_command(engine: str, version: str) -> str:
+    """The commands that read an engine release into the table without installing it."""
+    return (f"pip download --no-deps {engine}=={version} -d wheels && {REGENERATE} --wheel "
+            f"wheels/{engine}-{version}-*.whl")
+
+
+def section(engine: str, version: str) -> dict | None:
+    """The table's section for ``engine`` at ``version`` (same X.Y.Z release), or None when it was not read."""
+    return next((body for v, body in table().get(engine, {}).items() if _same_release(v, version)), None)
+
+
+def read_versions(engine: str) -> list[str]:
+    """The releases of ``engine`` the table was read from, oldest first."""
+    return list(table().get(engine, {}))
+
+
+def code_digest(engine: str, version: str, code_class: str) -> str | None:
+    """The digest of ``code_class``'s capture code in that release (capture_code.digest), or None."""
+    body = section(engine, version)
+    return ((body or {}).get("capture_code", {}).get(code_class) or {}).get("digest")
 
 
 def architecture_of(model_type: str) -> str | None:
     """The causal-LM architecture transformers gives ``model_type`` (``Phi3ForCausalLM`` for phi3), or None."""
-    return table().get("hf", {}).get("model_types", {}).get(model_type)
+    hf = list(table().get("hf", {}).values())
+    return hf[-1]["model_types"].get(model_type) if hf else None
 
 
 def _same_release(a: str, b: str) -> bool:
@@ -73,22 +99,22 @@ def _same_release(a: str, b: str) -> bool:
 def lookup(engine: str, version: str, model_type: str) -> Capture:
     """What ``engine`` at ``version`` does with a target of ``model_type``, as read from the engine's code.
 
-    Raises ConventionError: no table for that engine or version (regenerate it with that version installed),
-    a model_type transformers has no causal-LM architecture for, or an architecture the engine's registry does
-    not name. A class that cannot capture is returned with its :attr:`Capture.refusal` set.
+    Raises ConventionError: a release the table was not read from (naming :func:`reading_command`), a model_type
+    transformers has no causal-LM architecture for, or an architecture the engine's registry does not name. A
+    class that cannot capture is returned with its :attr:`Capture.refusal` set.
     """
-    entry = table().get(engine)
-    if entry is None or not _same_release(entry["version"], version):
-        read = f"{engine} {entry['version']}" if entry else f"no {engine}"
+    entry = section(engine, version)
+    if entry is None:
         raise ConventionError(
             f"no layer-id rule for {engine} {version} with family {model_type!r}: the capture table "
-            f"(eaglepipe/contract/{TABLE_FILE}) was read from {read}; refusing to guess (install that version and "
-            f"run {REGENERATE})")
+            f"(eaglepipe/contract/{TABLE_FILE}) was read from {engine} {', '.join(read_versions(engine)) or '(no release)'}; "
+            f"refusing to guess. Read that release's source: {reading_command(engine, version)}")
     arch = architecture_of(model_type)
     if arch is None:
+        hf = ", ".join(read_versions("hf"))
         raise ConventionError(
             f"unknown model family {model_type!r}: neither a family of eaglepipe/contract/rules.py nor a causal-LM "
-            f"model_type of transformers {table()['hf']['version']} (eaglepipe/contract/{TABLE_FILE})")
+            f"model_type of transformers {hf} (eaglepipe/contract/{TABLE_FILE})")
     row = entry["architectures"].get(arch)
     if row is None and entry["fallback"]:  # the engine runs it with its fallback class
         row = entry["architectures"][entry["fallback"]]
@@ -98,4 +124,6 @@ def lookup(engine: str, version: str, model_type: str) -> Capture:
             f"{engine} {entry['version']} has no model class of its own for {arch} (model_type {model_type!r}; "
             f"{entry['registry']} does not name it): it would try its Transformers backend, dense or MoE by the "
             f"config, which eaglepipe does not pick for it; refusing to guess")
-    return Capture(engine, entry["version"], arch, row[0], row[1], row[2], entry["no_capture"])
+    facts = entry.get("capture_code", {}).get(row[2]) or {}
+    return Capture(engine, entry["version"], arch, row[0], row[1], row[2], entry["no_capture"],
+                   facts.get("form"), facts.get("at", ""), entry.get("read_from", ""))

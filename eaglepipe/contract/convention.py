@@ -22,6 +22,7 @@ defaults: docs/conventions.md, generated from them
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import replace
 
 from packaging.version import InvalidVersion, Version
 
@@ -37,9 +38,9 @@ CONVENTION = (
 )
 ENGINES = engine_table.NAMES
 # The newest version of each engine whose source these rules were verified against (what export targets).
-KNOWN_VERSIONS = {"sglang": "0.5.23", "vllm": "0.32.0"}
+KNOWN_VERSIONS = {"sglang": "0.5.23", "vllm": "0.33.0"}
 # Every version whose source was read for RULES, oldest first (each is its own range in RULES).
-VERIFIED_VERSIONS = {"sglang": ("0.5.17", "0.5.23"), "vllm": ("0.26.0", "0.32.0")}
+VERIFIED_VERSIONS = {"sglang": ("0.5.17", "0.5.23"), "vllm": ("0.26.0", "0.32.0", "0.33.0")}
 # The PyPI distributions that provide each serving engine (first one installed wins): eaglepipe/engine_table.py.
 _DISTRIBUTIONS = {name: engine_table.TABLE[name].packages for name in engine_table.SERVING}
 
@@ -134,8 +135,10 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
 
     A family :data:`RULES` list (hf: every family) takes its listed rule. Any other family is a model_type whose
     rule the engine's own code decides (:func:`eaglepipe.contract.capture_support.lookup`): the engine's class
-    for it captures through a class one rule names (phi3 → sglang/srt/models/llama.py LlamaForCausalLM), or it
-    is refused naming the engine file (no capture; or a capture class whose code no rule was read from).
+    for it captures through a class one rule names (phi3 → sglang/srt/models/llama.py LlamaForCausalLM), or
+    through capture code of a form one rule is the reading of (:func:`_rule_by_form`), or it is refused naming
+    the engine file. A release no rule's versions cover takes the rule of a release whose capture code it shares
+    (:func:`_carried_over`); any other is refused with the command that reads it.
     """
     version = resolve_version(engine, version)
     parsed = None
@@ -151,20 +154,65 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
             raise ConventionError(cap.refusal)
         listed = [r for r in RULES if r.engine == engine and cap.code_class in r.classes]
         if not listed:
-            raise ConventionError(
-                f"{engine} {version} captures {cap.architecture} through {cap.code_class}, whose capture code no "
-                f"rule of eaglepipe/contract/rules.py was read from; refusing to guess (read it, then name it in "
-                f"a rule's classes)")
-    for rule in listed:
-        if version_matches(rule, parsed):
-            if rule.read is None:
-                raise ConventionError(f"{engine} {version}, family {family}: {rule.meaning} ({rule.source})")
-            return rule
-    known = sorted({v for r in RULES if r.engine == engine for v in r.versions})
+            return _rule_by_form(cap, parsed)
+    rule = next((r for r in listed if version_matches(r, parsed)), None) or _carried_over(listed, engine, version)
+    if rule is not None and rule.read is None:
+        raise ConventionError(f"{engine} {version}, family {family}: {rule.meaning} ({rule.source})")
+    if rule is not None:
+        return rule
+    if capture_support.section(engine, version) is None:
+        raise ConventionError(
+            f"no layer-id rule for {engine} {version} with family {family}: that release's source was not read "
+            f"(rules cover {sorted({v for r in listed for v in r.versions})}); refusing to guess. Read it: "
+            f"{capture_support.reading_command(engine, version)}")
+    _refuse_uncaptured(engine, version, family)
+    classes = sorted({c for r in listed for c in r.classes})
+    why = (f"the capture code of {classes} differs from every release a rule was read from (capture_code digests, "
+           f"eaglepipe/contract/capture_table.json)" if classes else "its rules name no engine class to compare")
     raise ConventionError(
-        f"no layer-id rule for {engine} {version} with family {family}: versions verified against the "
-        f"source are {known}; refusing to guess (add a rule after reading that version's source)"
-    )
+        f"no layer-id rule for {engine} {version} with family {family}: its source was read, and {why}; refusing "
+        f"to guess (read the change, then add the release to the rule's versions in eaglepipe/contract/rules.py)")
+
+
+def _refuse_uncaptured(engine: str, version: str, family: str) -> None:
+    """Raise the engine's own refusal (capture_support.Capture.refusal) when its class for ``family`` has no capture
+    in that release; nothing when it has one or the table cannot say."""
+    try:
+        cap = capture_support.lookup(engine, version, family)
+    except ConventionError:
+        return
+    if cap.refusal:
+        raise ConventionError(cap.refusal)
+
+
+def _rule_by_form(cap: capture_support.Capture, version: Version | None) -> Rule:
+    """The rule whose reading is the id form of ``cap``'s capture code (SGLang: ``[val + 1 for val in layer_ids]``
+    is Llama's), its source naming the line that shows it. Raises ConventionError for a form no rule reads."""
+    same = [r for r in RULES if r.engine == cap.engine and r.form and r.form == cap.form
+            and version_matches(r, version)]
+    if not same:
+        raise ConventionError(
+            f"{cap.engine} {cap.version} captures {cap.architecture} through {cap.code_class}, whose capture code "
+            f"({cap.at}) has no id form a rule of eaglepipe/contract/rules.py reads; refusing to guess (read it, "
+            f"then name it in a rule's classes)")
+    rule = same[0]
+    return replace(rule, classes=(cap.code_class,), source=f"{cap.at}: the {rule.form} form of {rule.source}")
+
+
+def _carried_over(listed: list[Rule], engine: str, version: str) -> Rule | None:
+    """A rule of ``listed`` read from another release whose capture code (every class the rule names) has the same
+    digest in ``version`` (capture_table.json, read from an installed package or a wheel); None: no such rule."""
+    if engine == "hf" or capture_support.section(engine, version) is None:
+        return None
+    for rule in (r for r in listed if r.classes):
+        for read in capture_support.read_versions(engine):
+            digests = [(capture_support.code_digest(engine, read, c), capture_support.code_digest(engine, version, c))
+                       for c in rule.classes]
+            if version_matches(rule, Version(read)) and all(a is not None and a == b for a, b in digests):
+                how = capture_support.section(engine, version)["read_from"]
+                return replace(rule, source=f"{rule.source}; {engine} {version} ({how}) runs {read}'s capture code "
+                                            f"(same digests, eaglepipe/contract/capture_table.json)")
+    return None
 
 
 # --- the translation ---------------------------------------------------------------------------------------

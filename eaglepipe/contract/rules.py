@@ -53,6 +53,7 @@ class Rule:
     capturable: Callable[[int], range] | None  # N -> boundaries its capture loop can append
     source: str  # file + function the rule was read from
     classes: tuple[str, ...] = ()  # engine classes "file:Class" whose capture code the rule was read from
+    form: str | None = None  # SGLang: the id form (capture_code.FORMS) of which this rule is the reading
 
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -62,6 +63,7 @@ _SGLANG_0523 = ">=0.5.23,<0.5.24"
 _SGLANG = (_SGLANG_0517, _SGLANG_0523)
 _VLLM_026 = ">=0.26.0,<0.27"
 _VLLM_032 = ">=0.32.0,<0.33"
+_VLLM_033 = ">=0.33.0,<0.34"  # read from its wheel, not run (no CPU build of it): capture_table.json's 0.33.0
 _VLLM = (_VLLM_026, _VLLM_032)
 SGLANG_DIR, VLLM_DIR = "sglang/srt/models/", "vllm/model_executor/models/"  # where each engine's model classes live
 
@@ -75,7 +77,8 @@ RULES: tuple[Rule, ...] = (
          "before layer i, i < N (0.5.17: LlamaModel.forward / Qwen2Model.forward inline, Qwen2MoeModel via "
          "LayerCommunicator.prepare_attn_and_capture_last_layer_outputs; 0.5.23: layer_boundary/stage.py)",
          (f"{SGLANG_DIR}llama.py:LlamaForCausalLM", f"{SGLANG_DIR}qwen2.py:Qwen2ForCausalLM",
-          f"{SGLANG_DIR}qwen3.py:Qwen3ForCausalLM", f"{SGLANG_DIR}qwen3_moe.py:Qwen3MoeForCausalLM")),
+          f"{SGLANG_DIR}qwen3.py:Qwen3ForCausalLM", f"{SGLANG_DIR}qwen3_moe.py:Qwen3MoeForCausalLM"),
+         form="plus_one"),
     Rule("sglang", _SGLANG, _DEEPSEEK, "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i]",
          _plus_one_if_first_is_one, lambda n: range(0, n),
          "sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture "
@@ -83,7 +86,7 @@ RULES: tuple[Rule, ...] = (
          "DeepseekV2Model.forward captures before layer i, i < N (the residual after prepare_attn: the "
          "embeddings before layer 0); kimi_k25.py delegates to DeepseekV3ForCausalLM",
          (f"{SGLANG_DIR}deepseek_v2.py:DeepseekV2ForCausalLM",
-          f"{SGLANG_DIR}kimi_k25.py:KimiK25ForConditionalGeneration")),
+          f"{SGLANG_DIR}kimi_k25.py:KimiK25ForConditionalGeneration"), form="plus_one_if_first_is_one"),
     Rule("sglang", (_SGLANG_0523,), ("glm4_moe_lite",), "ids[0] == 1: id i = h[i+1]; otherwise id i = h[i]",
          _plus_one_if_first_is_one, lambda n: range(0, n),
          "sglang/srt/models/glm4_moe_lite.py set_eagle3_layers_to_capture "
@@ -100,7 +103,7 @@ RULES: tuple[Rule, ...] = (
          "sglang/srt/models/gpt_oss.py set_eagle3_layers_to_capture (`max(layer_ids) == num_layers`, "
          "identical in 0.5.17 and 0.5.23), sglang PR #32334; GptOssModel.forward captures start_layer "
          "before the loop and boundary i + 1 after layer i, up to h[N] before the final norm",
-         (f"{SGLANG_DIR}gpt_oss.py:GptOssForCausalLM",)),
+         (f"{SGLANG_DIR}gpt_oss.py:GptOssForCausalLM",), form="identity_if_max_is_n"),
     Rule("sglang", _SGLANG, ("gemma3",),
          "refused: SGLang's Gemma3TextModel captures `hidden_states` without `residual` (the previous "
          "layer's MLP branch output), which is no residual-stream boundary h[k]",
@@ -132,13 +135,15 @@ RULES: tuple[Rule, ...] = (
          "embeddings × embedding_multiplier, None) before layer 0 and idx + 1 after each layer, whose output "
          "already holds the residual (GraniteDecoderLayer adds it, scaled by residual_multiplier)",
          (f"{VLLM_DIR}granite.py:GraniteForCausalLM",)),
-    Rule("vllm", (_VLLM_032,), (),
+    Rule("vllm", (_VLLM_032, _VLLM_033), (),
          "id i = h[i] for 1 ≤ i ≤ N; id 0 is not h[0]: the hook takes layer `0 - 1` (KeyError -1 at start)",
          _identity, lambda n: range(1, n + 1),
          "vllm/model_executor/models/transformers/base.py Base.set_aux_hidden_state_layers: a transformers "
          "OutputRecorder on the output of decoder layer `layer - 1` (\"layer - 1 because we want the input to "
          "the layer\"); `_layer_names` is a dict, so id 0 looks up layer -1 and the engine fails to start "
-         "(measured, tests/test_capture_support.py); TransformersForCausalLM = CausalMixin + Base",
+         "(measured, tests/test_capture_support.py); TransformersForCausalLM = CausalMixin + Base; 0.33.0 (read, "
+         "not run): only Base.__init__ changed (the model built through _create_model), set_aux_hidden_state_layers "
+         "and forward are 0.32's",
          (f"{VLLM_DIR}transformers/causal.py:CausalMixin",)),
 )
 

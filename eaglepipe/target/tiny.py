@@ -1,5 +1,5 @@
 """Tiny random targets of the families the rules name and of some only the engines' own code decides (phi3, granite,
-olmo2), saved as local HF folders (tests, support matrix).
+olmo2, qwen2_moe), saved as local HF folders (tests, support matrix).
 
 Sizes are the smallest the real engines run on CPU: vLLM's CPU attention rejects head_dim 16, so head_dim is
 32 (hidden 64, 2 heads); vLLM's CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), and its CUDA
@@ -59,6 +59,9 @@ FAMILIES: dict[str, tuple[str, dict, str | None, str]] = {
     "olmo2": ("Olmo2Config", dict(), None, "default"),  # post-norm branches; vLLM runs it in its Transformers backend
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          decoder_sparse_step=1), None, "default"),
+    # qwen2_moe: no rule names it; SGLang's qwen2_moe.py has Llama's id form (+1), vLLM's no capture
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32, decoder_sparse_step=1), None, "default"),
     # gemma3: refused by both serving engines' rules (and by eaglepipe: one RoPE per layer type)
     "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
                                         layer_types=["sliding_attention"] * 5 + ["full_attention"]), None, "default"),
