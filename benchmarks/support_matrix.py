@@ -43,8 +43,8 @@ from eaglepipe.target.tiny import FAMILIES, build, tiny_conversations  # noqa: E
 LAYERS = [2, 3, 4]
 MIN_COSINE = 0.999
 TIMEOUT_S = 420
-WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel, whose flashinfer/fa3/triton attention backends "
-                         "implement MLA and attention sinks",
+WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel, where the CUDA and triton kernels SGLang calls run "
+                         "(flashinfer/fa3/triton attention for MLA and attention sinks, triton fused MoE gates)",
               "vllm": "a CUDA machine with vLLM"}
 
 
