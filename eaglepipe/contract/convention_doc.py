@@ -9,8 +9,10 @@ model_type → family table come from the code; the notes below them say where e
 from __future__ import annotations
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-from eaglepipe.contract import convention, rules
+from eaglepipe import engine_table
+from eaglepipe.contract import capture_support, convention, rules
 
 HEADER = f"""\
 # Layer-id conventions
@@ -36,10 +38,23 @@ capture (vLLM: `SupportsEagle3` in interfaces.py; SGLang: a `set_eagle3_layers_t
 whose code decides what is captured (the nearest of its MRO defining `__init__` or `forward`, up to the capture
 class). The rule whose `classes` name that class applies: phi3 takes Llama's rule on both engines (vLLM
 phi3.py and SGLang llama.py subclass `LlamaForCausalLM`). A class with no capture is refused for that engine
-only, naming the engine file (SGLang's granite.py and olmo2.py); a capture class no rule was read from is
+only, naming the engine file (SGLang's granite.py and olmo2.py). A capture class no rule names takes the rule
+whose `form` is the form of its SGLang `set_eagle3_layers_to_capture` (qwen2_moe.py's
+`[val + 1 for val in layer_ids]` is Llama's `plus_one`; eaglepipe/contract/capture_code.py); any other is
 refused, never guessed. The hf engine hooks `model.model.layers` of any decoder-only target
 (eaglepipe/target/capture_check.py). The target stage refuses only for the engines the params name
 (`extract.engine`, `framework`).
+"""
+
+RELEASES = """\
+## Releases read
+
+`capture_table.json` keeps one section per engine release: the installed ones, read in place, and any read from
+a downloaded wheel without installing it (`pip download --no-deps vllm==X -d wheels && python -m
+eaglepipe.contract.capture_scan --wheel wheels/vllm-X-*.whl`: read, not run). Each section holds a digest of the
+capture code of every capture class. A release no rule's versions cover takes the rule of a release whose
+capture code has the same digest for every class the rule names; a release not read is refused with the
+command that reads it.
 """
 
 NOTES = """\
@@ -117,6 +132,24 @@ def rules_table() -> list[str]:
     return rows
 
 
+def releases_table() -> list[str]:
+    """Per engine release in the capture table: where it was read from, and which rules hold there (read for it,
+    or carried over from a release with the same capture code)."""
+    rows = ["| engine | release | read from | rules (first class named) |", "|---|---|---|---|"]
+    for engine in engine_table.SERVING:
+        for version in capture_support.read_versions(engine):
+            cells = []
+            for r in (r for r in convention.RULES if r.engine == engine and r.classes and r.read is not None):
+                name = _classes(r).split("<br>")[0]
+                got = (r if rules.version_matches(r, Version(version))
+                       else convention._carried_over([r], engine, version))
+                how = "read" if got is r else "same capture code" if got else "not covered"
+                cells.append(f"{name}: {how}")
+            read_from = capture_support.section(engine, version)["read_from"]
+            rows.append(f"| {engine} | {version} | {_cell(read_from)} | {'<br>'.join(cells)} |")
+    return rows
+
+
 def families_table() -> list[str]:
     rows = ["| HF `model_type` | family |", "|---|---|"]
     rows += [f"| {t} | {f} |" for t, f in convention._FAMILY_OF_MODEL_TYPE.items()]
@@ -128,7 +161,7 @@ def render() -> str:
     lines = [HEADER, "## Rules", "", *rules_table(), "", CLASSES,
              "A target's family comes from its `config.json` `model_type` (or its `text_config`'s) through this "
              "table; any other model_type is its own family, decided by class as above:", "", *families_table(),
-             "", NOTES]
+             "", RELEASES, *releases_table(), "", NOTES]
     return "\n".join(lines)
 
 
