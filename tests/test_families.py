@@ -233,8 +233,9 @@ def test_readme_support_matrix_is_rendered_from_the_json():
     assert all(r["reason"] for r in doc["rows"] if r["status"] != "verified")
     vllm = {r["target"]: r for r in doc["rows"] if r["engine"] == "vllm"}
     assert sorted(vllm) == sorted(["llama", "llama-llama3", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v3",
-                                   "kimi_k2", "qwen2-yarn", "phi3", "granite", "olmo2", "qwen3_moe", "gemma3"])
-    served = {t: r for t, r in vllm.items() if t != "gemma3"}
+                                   "kimi_k2", "qwen2-yarn", "phi3", "granite", "olmo2", "qwen3_moe", "gemma3",
+                                   "qwen2_moe"])
+    served = {t: r for t, r in vllm.items() if t not in ("gemma3", "qwen2_moe")}
     assert all(r["status"] == "verified" and r["offset"] == 0 and r["min_cosine"] >= 0.999 for r in served.values())
     # families no rule lists: each engine's own code decides, and a refusal names the engine file
     rows = {(r["target"], r["engine"]): r for r in doc["rows"]}
@@ -246,6 +247,11 @@ def test_readme_support_matrix_is_rendered_from_the_json():
     assert {rows[("gemma3", e)]["status"] for e in ("hf", "vllm", "sglang")} == {"refused"}
     assert "SupportsEagle3" in rows[("gemma3", "vllm")]["reason"]
     assert "without `residual`" in rows[("gemma3", "sglang")]["reason"]
+    # qwen2_moe: vLLM's class has no capture; SGLang's takes Llama's rule by its id form (run only on CUDA)
+    assert rows[("qwen2_moe", "hf")]["status"] == "verified"
+    assert "vllm/model_executor/models/qwen2_moe.py Qwen2MoeForCausalLM does not implement SupportsEagle3" in \
+        rows[("qwen2_moe", "vllm")]["reason"]
+    assert rows[("qwen2_moe", "sglang")]["status"] in ("verified", "not_run")
 
 
 def test_export_refuses_a_draft_trained_with_another_rope(drafter, tmp_path):
