@@ -25,8 +25,13 @@ import hashlib
 CAPTURE_TOKENS = ("aux_hidden_state", "_maybe_add_hidden_state", "layers_to_capture", "_is_layer_to_capture",
                   "captured_last_layer_outputs", "eagle3")
 SGLANG_SETTER = "set_eagle3_layers_to_capture"
-VLLM_INTERFACES = "vllm.model_executor.models.interfaces"  # SupportsEagle3, EagleModelMixin
-FORMS = ("plus_one", "plus_one_if_first_is_one", "identity_if_max_is_n")
+# The ``if`` tests above the ``val + 1`` list (:func:`_guard`, whether the list is in the if's body) → the form.
+_FORM_OF_GUARDS = {
+    (("none", False),): "plus_one",
+    (("none", False), ("first_is_one", True)): "plus_one_if_first_is_one",
+    (("none", False), ("max", False)): "identity_if_max_is_n",
+}
+FORMS = tuple(_FORM_OF_GUARDS.values())
 
 
 def method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef | None:
@@ -63,14 +68,14 @@ def _guard(test: ast.expr, param: str) -> str | None:
     return "other"
 
 
-def _conditions(fn: ast.FunctionDef, target: ast.AST) -> list[tuple[str | None, bool]]:
+def _conditions(fn: ast.FunctionDef, target: ast.AST, param: str) -> list[tuple[str | None, bool]]:
     """The ``if`` tests above ``target`` inside ``fn``: [(guard, target-is-in-the-body)], outermost first."""
     parent = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
     out, node = [], target
     while node is not fn and node in parent:
         up = parent[node]
         if isinstance(up, ast.If) and node is not up.test:
-            out.append((_guard(up.test, _param(fn)), node in up.body))
+            out.append((_guard(up.test, param), node in up.body))
         node = up
     return out[::-1]
 
@@ -87,14 +92,8 @@ def sglang_form(fn: ast.FunctionDef) -> tuple[str | None, int]:
     comps = [n for n in ast.walk(fn) if isinstance(n, ast.ListComp) and _is_plus_one(n, param)]
     if len(comps) != 1:
         return None, fn.lineno
-    guards = [(g, taken) for g, taken in _conditions(fn, comps[0]) if g is not None]
-    if guards == [("none", False)]:
-        return "plus_one", comps[0].lineno
-    if guards == [("none", False), ("first_is_one", True)]:
-        return "plus_one_if_first_is_one", comps[0].lineno
-    if guards == [("none", False), ("max", False)]:
-        return "identity_if_max_is_n", comps[0].lineno
-    return None, comps[0].lineno
+    guards = tuple((g, taken) for g, taken in _conditions(fn, comps[0], param) if g is not None)
+    return _FORM_OF_GUARDS.get(guards), comps[0].lineno
 
 
 def _capture_functions(tree: ast.Module, source: str):
@@ -114,11 +113,15 @@ def _normalized(fn: ast.AST) -> str:
     return ast.dump(fn, annotate_fields=False, include_attributes=False)
 
 
-def digest(sources: list[str]) -> str:
-    """sha256 (first 16 hex digits) of the capture functions of the given module sources (see the docstring)."""
+def module_capture_code(tree: ast.Module, source: str) -> str:
+    """A parsed module's capture code as text: its capture functions' syntax trees (docstrings and positions left
+    out), in file order; what :func:`digest` hashes."""
+    return "".join(_normalized(fn) for fn in sorted(_capture_functions(tree, source), key=lambda f: f.lineno))
+
+
+def digest(capture_code: list[str]) -> str:
+    """sha256 (first 16 hex digits) of modules' :func:`module_capture_code`, in the order given."""
     h = hashlib.sha256()
-    for source in sources:
-        tree = ast.parse(source)
-        for fn in sorted(_capture_functions(tree, source), key=lambda f: f.lineno):
-            h.update(_normalized(fn).encode())
+    for text in capture_code:
+        h.update(text.encode())
     return h.hexdigest()[:16]

@@ -57,7 +57,6 @@ TABLE_PATH = Path(__file__).with_name("capture_table.json")
 VLLM_REGISTRY = "vllm.model_executor.models.registry"
 VLLM_EAGLE3 = ("vllm.model_executor.models.interfaces", "SupportsEagle3")
 SGLANG_MODELS = "sglang.srt.models"
-SGLANG_CAPTURE = "set_eagle3_layers_to_capture"
 HF_AUTO = "transformers.models.auto.modeling_auto"
 
 # --- the registries -------------------------------------------------------------------------------------------
@@ -124,7 +123,7 @@ def _vllm_capture(index: SourceIndex, ref: ClassRef) -> ClassRef | None:
 
 def _sglang_capture(index: SourceIndex, ref: ClassRef) -> ClassRef | None:
     """The nearest class of ``ref``'s MRO that defines set_eagle3_layers_to_capture; None: no capture."""
-    return next((c for c in index.mro(ref) if index.defines(c, SGLANG_CAPTURE)), None)
+    return next((c for c in index.mro(ref) if index.defines(c, capture_code.SGLANG_SETTER)), None)
 
 
 def _code_class(index: SourceIndex, ref: ClassRef, cap: ClassRef) -> ClassRef:
@@ -137,24 +136,29 @@ def _code_class(index: SourceIndex, ref: ClassRef, cap: ClassRef) -> ClassRef:
     return next((c for c in chain if index.defines(c, "__init__") or index.defines(c, "forward")), cap)
 
 
-def _code_facts(index: SourceIndex, engine: str, cap: ClassRef, code: ClassRef) -> dict:
+def _code_facts(index: SourceIndex, engine: str, cap: ClassRef, code: ClassRef, texts: dict[str, str]) -> dict:
     """What the capture code of a code class says (:mod:`eaglepipe.contract.capture_code`): SGLang's id form read
     from the capture class's setter, the line that shows it ("file:line"), and the digest of the capture code of
-    the capture and code classes' files (vLLM: and interfaces.py, where EagleModelMixin captures)."""
-    mods = [index.module(m) for m in dict.fromkeys([cap[0], code[0]] + ([VLLM_EAGLE3[0]] if engine == "vllm" else []))]
+    the capture and code classes' files (vLLM: and interfaces.py, where EagleModelMixin captures). ``texts``:
+    module → its capture code, filled as modules are first read (each module's code is read once a scan)."""
+    names = list(dict.fromkeys([cap[0], code[0]] + ([VLLM_EAGLE3[0]] if engine == "vllm" else [])))
+    mods = [index.module(m) for m in names]
+    for name, mod in zip(names, mods):
+        if name not in texts and mod is not None:
+            texts[name] = capture_code.module_capture_code(mod.tree, mod.source)
     form, line = None, next((n.lineno for n in mods[0].tree.body
                              if isinstance(n, ast.ClassDef) and n.name == cap[1]), 0)
     setter = capture_code.method(mods[0].tree, cap[1], capture_code.SGLANG_SETTER) if engine == "sglang" else None
     if setter is not None:
         form, line = capture_code.sglang_form(setter)
     return {"form": form, "at": f"{index.file(cap)}:{line}",
-            "digest": capture_code.digest([m.source for m in mods if m is not None])}
+            "digest": capture_code.digest([texts[n] for n in names if n in texts])}
 
 
 def _engine_rows(index: SourceIndex, engine: str, registry: dict[str, ClassRef], capture) -> tuple[dict, dict]:
     """architecture → [its class, its capture class, its code class], each "file:Class", the last two None
     when it cannot capture, sorted by architecture; and code class → :func:`_code_facts`."""
-    rows, facts = {}, {}
+    rows, facts, texts = {}, {}, {}
     for arch in sorted(registry):
         ref = index.resolve(*registry[arch]) or registry[arch]  # where the class is defined (re-exports followed)
         mod = index.module(ref[0])
@@ -162,7 +166,7 @@ def _engine_rows(index: SourceIndex, engine: str, registry: dict[str, ClassRef],
         code = None if cap is None else _code_class(index, ref, cap)
         rows[arch] = [f"{index.file(c)}:{c[1]}" if c else None for c in (ref, cap, code)]
         if code is not None and rows[arch][2] not in facts:
-            facts[rows[arch][2]] = _code_facts(index, engine, cap, code)
+            facts[rows[arch][2]] = _code_facts(index, engine, cap, code, texts)
     return rows, dict(sorted(facts.items()))
 
 

@@ -42,7 +42,6 @@ class Capture:
     why_not: str  # the engine's reason template, "{file}", "{cls}" filled by :attr:`refusal`
     form: str | None = None  # SGLang: the id form of its capture code (capture_code.FORMS), None: no known form
     at: str = ""  # "file:line" that shows the form (the class's def where there is none)
-    read_from: str = ""  # the section's ``read_from``: the installed package, or a wheel read and not run
 
     @property
     def refusal(self) -> str | None:
@@ -125,6 +124,6 @@ def lookup(engine: str, version: str, model_type: str) -> Capture:
             f"{engine} {entry['version']} has no model class of its own for {arch} (model_type {model_type!r}; "
             f"{entry['registry']} does not name it): it would try its Transformers backend, dense or MoE by the "
             f"config, which eaglepipe does not pick for it; refusing to guess")
-    facts = entry.get("capture_code", {}).get(row[2]) or {}
+    facts = entry["capture_code"].get(row[2]) or {}  # none for a class that cannot capture
     return Capture(engine, entry["version"], arch, row[0], row[1], row[2], entry["no_capture"],
-                   facts.get("form"), facts.get("at", ""), entry.get("read_from", ""))
+                   facts.get("form"), facts.get("at", ""))

@@ -138,7 +138,7 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
     for it captures through a class one rule names (phi3 → sglang/srt/models/llama.py LlamaForCausalLM), or
     through capture code of a form one rule is the reading of (:func:`_rule_by_form`), or it is refused naming
     the engine file. A release no rule's versions cover takes the rule of a release whose capture code it shares
-    (:func:`_carried_over`); any other is refused with the command that reads it.
+    (:func:`carried_over`); any other is refused with the command that reads it.
     """
     version = resolve_version(engine, version)
     parsed = None
@@ -155,7 +155,7 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
         listed = [r for r in RULES if r.engine == engine and cap.code_class in r.classes]
         if not listed:
             return _rule_by_form(cap, parsed)
-    rule = next((r for r in listed if version_matches(r, parsed)), None) or _carried_over(listed, engine, version)
+    rule = next((r for r in listed if version_matches(r, parsed)), None) or carried_over(listed, engine, version)
     if rule is not None and rule.read is None:
         raise ConventionError(f"{engine} {version}, family {family}: {rule.meaning} ({rule.source})")
     if rule is not None:
@@ -199,7 +199,7 @@ def _rule_by_form(cap: capture_support.Capture, version: Version | None) -> Rule
     return replace(rule, classes=(cap.code_class,), source=f"{cap.at}: the {rule.form} form of {rule.source}")
 
 
-def _carried_over(listed: list[Rule], engine: str, version: str) -> Rule | None:
+def carried_over(listed: list[Rule], engine: str, version: str) -> Rule | None:
     """A rule of ``listed`` read from another release whose capture code (every class the rule names) has the same
     digest in ``version`` (capture_table.json, read from an installed package or a wheel); None: no such rule."""
     if engine == "hf" or capture_support.section(engine, version) is None:

@@ -142,7 +142,7 @@ def releases_table() -> list[str]:
             for r in (r for r in convention.RULES if r.engine == engine and r.classes and r.read is not None):
                 name = _classes(r).split("<br>")[0]
                 got = (r if rules.version_matches(r, Version(version))
-                       else convention._carried_over([r], engine, version))
+                       else convention.carried_over([r], engine, version))
                 how = "read" if got is r else "same capture code" if got else "not covered"
                 cells.append(f"{name}: {how}")
             read_from = capture_support.section(engine, version)["read_from"]
