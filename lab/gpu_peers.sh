@@ -12,6 +12,8 @@
 #   carry .gpu/peers/b:       bash lab/gpu_peers.sh stash-b data features train-speculators   (~4.5 min)
 #   (no carry):               bash lab/gpu_peers.sh train-eaglepipe                           (136 s, first run)
 #   (no carry):               bash lab/gpu_peers.sh judge                 (~7 min for 2 drafts, 12 workers)
+# Ablations: EP_SETS='; train.lr=0.001; train.step_decay=1.0' train-eaglepipe trains the defaults and two
+# variants, one process each; SPEC_SETS='optimizer=adamw' likewise; HUMANEVAL=0 judge scores MT-bench only.
 # Optional calls: `trainstep` (train_step.py: speculators vs the product's graphed step; its eaglepipe rows
 # were not reached within 230 s: give it TRAINSTEP_S=500), `tests` (the engine-free tests on the CPU cores).
 # Results (peers_quality.json, train_step.json, logs, the stages' reports) are copied to $OUT.
@@ -21,7 +23,7 @@ E=/tmp/eng/peers PKG=/tmp/eaglepipe-pkgs W=/tmp/peers-work GGUF=SmolLM2-135M-Ins
 SG=ShareGPT_V3_unfiltered_cleaned_split.json OUTDIR="${OUT:-/tmp/out}"
 FEATURES_SET="framework=hf extract.engine=hf extract.regenerate=false extract.store=features prompts.train=8000"
 PQ="python3 benchmarks/peers_quality.py --profile profiles/gpu.yaml --peer-path /tmp/site --work $W
-    --mtbench 80 --humaneval 164 --max-new 128 --out $W/peers_quality.json"
+    --mtbench 80 --max-new 128 --out $W/peers_quality.json"
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONPATH="$PWD:$PKG:/tmp/site"
 
@@ -56,11 +58,20 @@ for step in "$@"; do
       python3 lab/run_stages.py --profile profiles/gpu.yaml --set $FEATURES_SET -- target prompts extract \
         2>&1 | tee "$OUTDIR/features.log"
       du -sh data/features; keep reports/prompts.json reports/extract.json ;;
-    train-*)
-      $PQ --phase train --recipes "${step#train-}" 2>&1 | grep -v -i warning | tee "$OUTDIR/$step.log"
+    train-*)  # EP_SETS / SPEC_SETS: ';'-separated ablations, each a --set / --spec-set list ('' = defaults)
+      recipe=${step#train-}; sets=${EP_SETS-}; flag=--set
+      [ "$recipe" = speculators ] && sets=${SPEC_SETS-} && flag=--spec-set
+      IFS=';' read -r -a runs <<< "${sets:- }"
+      set -f  # a list value such as [a,b] is no glob
+      for s in "${runs[@]}"; do
+        # shellcheck disable=SC2086  # each run's settings are words
+        $PQ --phase train --recipes "$recipe" $([ -n "${s// }" ] && echo "$flag $s") 2>&1 | grep -v -i warning \
+          | tee -a "$OUTDIR/$step.log"
+      done
+      set +f
       for f in $W/draft-*/peers_info.json; do cp "$f" "$OUTDIR/info-$(basename "$(dirname "$f")").json"; done ;;
     judge)
-      $PQ --phase judge --judge-workers "${JUDGE_WORKERS:-12}" 2>&1 | grep -v -i warning | tee "$OUTDIR/judge.log"
+      $PQ --phase judge --judge-workers "${JUDGE_WORKERS:-12}" --humaneval "${HUMANEVAL:-164}" 2>&1 | grep -v -i warning | tee "$OUTDIR/judge.log"
       keep $W/peers_quality.json ;;
     trainstep)  # the product's graphed step against speculators' on one GPU, same shapes
       timeout "${TRAINSTEP_S:-240}" python3 benchmarks/train_step.py --peer-path /tmp/site --shapes A --ttt 3 \
