@@ -150,11 +150,12 @@ class TrainParams(_Strict):
                                          "layer's MLP from the draft's own config (vLLM llama_eagle3.py / SGLang "
                                          "llama_eagle3.py via llama.py's LlamaMLP), so any width serves")
     draft_norms: list[Literal[NORM_KEYS]] = Field(
-        [], description="EAGLE-3.1 norms the draft adds, written to its config as the keys both engines read "
-        "(eaglepipe/contract/variants.py): norm_before_fc (one RMSNorm over the aux states before fc) or fc_norm (one "
-        "per aux state), norm_before_residual (the layer's residual normed), norm_output (the normed output feeds the "
-        "next draft step); [] = the plain EAGLE-3 draft. speculators 0.9.0 trains [norm_before_fc, "
-        "norm_before_residual, norm_output]; SGLang does not read norm_before_residual")
+        ["norm_before_fc", "norm_output"], description="EAGLE-3.1 norms the draft adds, written to its config as the "
+        "keys both engines read (eaglepipe/contract/variants.py): norm_before_fc (one RMSNorm over the aux states "
+        "before fc) or fc_norm (one per aux state), norm_before_residual (the layer's residual normed), norm_output "
+        "(the normed output feeds the next draft step); [] = the plain EAGLE-3 draft. The default is the pair both "
+        "engines serve (benchmarks/peers_quality.json: it lifts τ from the plain draft's level to speculators'); "
+        "speculators 0.9.0 also sets norm_before_residual, which SGLang does not read (vLLM-only drafts may add it)")
     ttt_steps: int = Field(3, ge=1, le=16, description="training-time-test unroll: steps the draft runs on its "
                            "own hidden output")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of TTT step j is step_decay**j")

@@ -102,11 +102,12 @@ def test_train_learns_and_writes_the_draft(features, tiny_target, tmp_path):
     assert s["losses"][-1] < 0.7 * s["losses"][0]
     assert s["best"]["tau_sim"] >= s["evals"]["epoch0"]["tau_sim"] and s["best"]["tau_sim"] > 1.0
     w = load_file(str(out / "model.safetensors"))
-    assert set(w) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+    assert set(w) == {"fc.weight", "input_norm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {  # norms on
         f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm",
                                          "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert w["fc.weight"].shape == (32, 96) and w["lm_head.weight"].shape == (64, 32) and w["t2d"].sum() == 64
+    assert w["input_norm.weight"].shape == (96,)  # norm_before_fc: one RMSNorm over the 3 concatenated aux states
     assert (w["d2t"] + torch.arange(64)).tolist() == w["t2d"].nonzero().flatten().tolist()
     assert json.loads((out / "config.json").read_text())["layers"] == LAYERS
     assert (tmp_path / "live" / "metrics.json").exists() and not list((tmp_path / "scratch").glob("*/ckpt-*"))
@@ -284,12 +285,13 @@ def test_nan_in_a_shard_stops_training_naming_it(features, tiny_target, tmp_path
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(features, tiny_target, tmp_path):
     """Finite but huge features (3e38) overflow the draft to a NaN loss: training stops before that optimizer
-    step, names the step's samples, and leaves the checkpoint of the step before it, whose weights are finite."""
+    step, names the step's samples, and leaves the checkpoint of the step before it, whose weights are finite.
+    The plain EAGLE-3 draft: norm_before_fc's RMSNorm maps such a row to zeros, a finite loss."""
     from eaglepipe.data.features import FeatureSet
     from eaglepipe.errors import TrainingError
     from eaglepipe.train.packing import epoch_rows
 
-    p = _params(epochs=1, checkpoint_every=1)
+    p = _params(epochs=1, checkpoint_every=1, draft_norms=[])
     train = split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]
     rows = epoch_rows([r.n_tokens for r in train], p.seed, 0, p.batch_tokens)
     step = 3  # grad_accum 1: row k is optimizer step k + 1

@@ -73,13 +73,14 @@ def test_a_graphed_run_resumes_onto_its_curve(features, tiny_target, tmp_path): 
 @CUDA
 def test_a_non_finite_loss_in_the_graph_stops_before_the_update(features, tiny_target, tmp_path):  # noqa: F811
     """test_train's poisoned sample (finite 3e38 features → NaN loss) under the graph: TrainingError at that step
-    naming the sample; the checkpoint left is the step before's, with finite weights."""
+    naming the sample; the checkpoint left is the step before's, with finite weights. The plain EAGLE-3 draft, as
+    there (norm_before_fc would map the row to zeros)."""
     from eaglepipe.data.features import FeatureSet
     from eaglepipe.errors import TrainingError
     from eaglepipe.train.checkpoint import read_checkpoint
     from eaglepipe.train.packing import epoch_rows, split_samples
 
-    p = _fast(epochs=1, checkpoint_every=1)
+    p = _fast(epochs=1, checkpoint_every=1, draft_norms=[])
     train = split_samples(FeatureSet(features).refs, p.eval_fraction, p.seed)[0]
     rows = epoch_rows([r.n_tokens for r in train], p.seed, 0, p.batch_tokens)
     step = 3
