@@ -112,10 +112,11 @@ def test_fsdp_ranks_equal_one_process_and_resume_from_their_shards(features, tin
 
     files = sorted((tmp_path / "two" / "s_stopped").glob("*/ckpt-*.safetensors"))
     assert [f.name.split(".")[1] for f in files] == ["rank0", "rank1"]
-    names = {"model/fc.weight", "state/best_state/fc.weight", "optimizer/state/0/exp_avg"}
-    assert all(read_meta(f)["files"] == "2" and names <= set(json.loads(read_meta(f)["sharded"])) for f in files)
+    # rank 1's rows of fc's (32, 96) weight, and of the (96,) input_norm's AdamW moment (parameter 0: norm_before_fc)
+    names = {"model/fc.weight": (16, 96), "state/best_state/fc.weight": (16, 96), "optimizer/state/0/exp_avg": (48,)}
+    assert all(read_meta(f)["files"] == "2" and set(names) <= set(json.loads(read_meta(f)["sharded"])) for f in files)
     rank1 = load_file(str(files[1]))
-    assert {rank1[n].shape for n in names} == {(16, 96)}  # rank 1's rows of the (32, 96) weight
+    assert {n: tuple(rank1[n].shape) for n in names} == names
     sharded, whole = read_checkpoint(files[0].parent), read_checkpoint(next((tmp_path / "s1_stopped").iterdir()))
     assert sharded["state"].step == whole["state"].step == stop and sharded["state"].best_epoch == 0
     for k, v in whole["model"].items():  # the shards joined are the whole weights one process had at that step
