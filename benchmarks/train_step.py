@@ -55,7 +55,7 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -66,6 +66,7 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.model.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eaglepipe.model.target_head import TargetHead, soft_targets  # noqa: E402
+from eaglepipe.params import TrainParams  # noqa: E402
 from eaglepipe.train.graphed import GraphedStep  # noqa: E402
 from eaglepipe.train.ttt import (  # noqa: E402
     Batch,
@@ -88,6 +89,7 @@ class Shape:
     vocab: int
     draft_vocab: int
     rope_theta: float
+    norms: tuple[str, ...] = ()  # eaglepipe's draft: the EAGLE-3.1 norms switched on (train.draft_norms)
 
     @property
     def head_dim(self) -> int:
@@ -196,9 +198,9 @@ def needed_flops(s: Shape, x: dict, ttt: int, lm_head_trained: bool) -> float:
 
 
 def seeded_draft(s: Shape, x: dict) -> Eagle3Draft:
-    """eaglepipe's draft at shape ``s`` (seed 0, the inputs' draft vocabulary), on CUDA."""
+    """eaglepipe's draft at shape ``s`` (seed 0, the inputs' draft vocabulary, ``s.norms``), on CUDA."""
     cfg = DraftConfig(s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 1e-5, s.rope_theta, 131072,
-                      s.hidden, 3, s.draft_vocab, s.vocab)
+                      s.hidden, 3, s.draft_vocab, s.vocab, **{flag: True for flag in s.norms})
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     draft.set_vocab(x["d2t"].cpu(), x["t2d"].cpu())
@@ -398,7 +400,8 @@ def measure(impl: str, s: Shape, x: dict, ttt: int, warmup: int, iters: int, pro
     dt = (time.time() - t0) / iters
     T = x["input_ids"].shape[1]
     row = {
-        "impl": impl, "shape": s.name, "ttt": ttt,
+        "impl": impl, "shape": s.name, "ttt": ttt, **({"draft_norms": list(s.norms)} if impl.startswith("eaglepipe")
+                                                     else {}),
         "tokens_per_s": round(T / dt),
         "peak_gib": round((torch.cuda.max_memory_allocated() - base + held) / 2**30, 2),
         "tflops": round(matmul_flops(s, x["lens"], ttt, lm_trained) / dt / 1e12, 1),
@@ -492,6 +495,8 @@ def main() -> None:
     ap.add_argument("--prompt-fraction", type=float, default=PROMPT_FRACTION,
                     help="prompt-reply: the share of each sample that is prompt (default: the GPU profile's data)")
     ap.add_argument("--checks", action="store_true", help="also the plain-vs-fast and teacher-precision checks")
+    ap.add_argument("--draft-norms", nargs="*", default=TrainParams.model_fields["draft_norms"].default,
+                    help="eaglepipe's draft: the EAGLE-3.1 norms (default: train.draft_norms' default; none: plain)")
     ap.add_argument("--peer-path", default=None, help="folder the peers' wheels were installed into")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "h200" / "train_step.json"))
     ap.add_argument("--profile", default=None, help="folder: a torch.profiler table of 2 more steps per row")
@@ -522,7 +527,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     new = []
     for sname in a.shapes:
-        s = SHAPES[sname]
+        s = replace(SHAPES[sname], norms=tuple(a.draft_norms))
         x = make_inputs(s, a.tokens, 0, "cuda", **mask)
         for ttt in a.ttt:
             for impl in a.impls:
@@ -547,8 +552,10 @@ def main() -> None:
 
 
 def row_key(r: dict) -> tuple:
-    """What a row measured: impl, shape, TTT steps and loss mask (rows without one: iid, measured before it)."""
-    return r["impl"], r["shape"], r["ttt"], r.get("loss_mask", "iid"), r.get("prompt_fraction", 0.0)
+    """What a row measured: impl, shape, TTT steps, loss mask (rows without one: iid, measured before it) and
+    eaglepipe's draft norms (rows without them: the plain draft)."""
+    return (r["impl"], r["shape"], r["ttt"], r.get("loss_mask", "iid"), r.get("prompt_fraction", 0.0),
+            tuple(r.get("draft_norms", ())))
 
 
 def write_rows(out: Path, old: list[dict], new: list[dict]) -> list[dict]:

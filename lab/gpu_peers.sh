@@ -15,7 +15,8 @@
 # Ablations: EP_SETS='; train.lr=0.001; train.step_decay=1.0' train-eaglepipe trains the defaults and two
 # variants, one process each; SPEC_SETS='optimizer=adamw' likewise; HUMANEVAL=0 judge scores MT-bench only.
 # Optional calls: `trainstep` (train_step.py: speculators vs the product's graphed step; its eaglepipe rows
-# were not reached within 230 s: give it TRAINSTEP_S=500), `tests` (the engine-free tests on the CPU cores).
+# were not reached within 230 s: give it TRAINSTEP_S=480), `tests` (the engine-free tests on the CPU cores, after
+# `stash-b data` so the SmolLM2 tests find the model; TESTS_N xdist workers).
 # Results (peers_quality.json, train_step.json, logs, the stages' reports) are copied to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,11 +76,12 @@ for step in "$@"; do
       keep $W/peers_quality.json ;;
     trainstep)  # the product's graphed step against speculators' on one GPU, same shapes
       timeout "${TRAINSTEP_S:-240}" python3 benchmarks/train_step.py --peer-path /tmp/site --shapes A --ttt 3 \
-        --loss-mask prompt-reply --iters 8 --warmup 2 --impls speculators eaglepipe-fast eaglepipe-graph \
+        --loss-mask prompt-reply --iters 8 --warmup 2 --impls speculators eaglepipe-graph eaglepipe-fast \
         --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" || echo "trainstep: exit $?" ;;
-    tests)  # the tests that need no engine, on this machine's CPU cores (the GPU hidden)
-      CUDA_VISIBLE_DEVICES= timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider \
-        -m "not vllm and not sglang and not network" tests 2>&1 | tail -40 | tee "$OUTDIR/tests.log" || true ;;
+    tests)  # the tests that need no engine, on this machine's CPU cores (the GPU hidden; the image's xdist)
+      CUDA_VISIBLE_DEVICES= timeout "${TESTS_S:-300}" python3 -m pytest -q -rfE -p no:cacheprovider \
+        -n "${TESTS_N:-4}" -m "not vllm and not sglang and not network" tests > "$OUTDIR/tests.log" 2>&1 || true
+      tail -60 "$OUTDIR/tests.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
