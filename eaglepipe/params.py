@@ -73,6 +73,17 @@ class ExtractParams(_Strict):
         "crosses over: the features still come from extract.engine, e.g. vllm regenerating at GPU speed for a "
         "tokens store whose features the hf capture computes online")
     max_new_tokens: int = Field(64, ge=1, description="tokens generated per regenerated assistant turn")
+    thinking: Literal["template", "on", "off", "mix"] = Field(
+        "template", description="a reasoning target's thinking mode in regeneration and templating, passed as its "
+        "chat template's switch (enable_thinking: Qwen3; thinking: DeepSeek-V3.1, Kimi-K2.5; "
+        "eaglepipe/target/reasoning.py): template = no switch passed (the template's default); on / off; mix = on for "
+        "a seeded thinking_share of the conversations. The target stage refuses a template without a switch")
+    thinking_share: float = Field(0.5, ge=0.0, le=1.0, description="thinking: mix: share of the conversations "
+                                  "regenerated with thinking on (drawn per conversation from extract.seed and its id)")
+    max_thinking_tokens: int = Field(1024, ge=1, description="tokens generated per assistant turn with thinking on "
+                                     "(reasoning and answer; a trace still open there is kept and counted as cut)")
+    train_reasoning: bool = Field(True, description="the loss mask covers the reasoning the target writes (false: "
+                                  "its answers only)")
     temperature: float = Field(0.0, ge=0.0, description="regeneration temperature; 0 = greedy (recorded in the "
                                "manifest)")
     synthetic_temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the user turns the "
@@ -265,6 +276,19 @@ class Params(_Strict):
         if (why := combination_problem(self.train.draft_norms)) is not None:
             raise ValueError(f"train.draft_norms {why}")
         return self  # which engine reads which: eaglepipe/contract/variants.py, checked at check_params
+
+    @model_validator(mode="after")
+    def _thinking(self) -> "Params":
+        mode = self.extract.thinking
+        if mode in ("on", "mix") and not self.extract.regenerate:
+            raise ValueError(f"extract.thinking: {mode} with extract.regenerate: false: the source's answers hold "
+                             "no reasoning the target wrote; set extract.regenerate: true (or thinking: off)")
+        if mode != "template" and self.prompts.max_turns > 1:
+            raise ValueError(f"extract.thinking: {mode} with prompts.max_turns: {self.prompts.max_turns}: thinking "
+                             "templates render an earlier turn's reasoning otherwise than the last's (Qwen3 drops "
+                             "it), so one sample cannot hold every turn as the target saw it; set "
+                             "prompts.max_turns: 1")
+        return self
 
     @model_validator(mode="after")
     def _parallel_engines(self) -> "Params":

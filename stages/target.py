@@ -4,7 +4,8 @@ Usage: python stages/target.py OUT_DIR METRICS_JSON
 Reads params `target`, `extract.engine` (a pre-quantized target is refused here where the hf engine would
 capture it, offline or online), `extract.engine` and `framework` (a target one of the engines they name cannot
 capture is refused here, naming the engine file: eaglepipe/target/capture_check.py) and `tensor_parallel_size`
-(on a GPU, weights that cannot fit at that size are refused here, naming the size that fits) and
+(on a GPU, weights that cannot fit at that size are refused here, naming the size that fits),
+`extract.thinking` (a chat template without a thinking switch is refused here: eaglepipe/target/reasoning.py) and
 `expert_parallel` (a dense target, or an engine without it on this device, is refused here:
 eaglepipe/target/info.py require_expert_parallel); writes OUT_DIR
 (config, tokenizer + chat template, the weights linked or a GGUF dequantized) and METRICS_JSON (N, hidden size,
@@ -25,6 +26,7 @@ from eaglepipe.target.capture_check import capture_uses, require_capturable
 from eaglepipe.target.folder_check import check_folder, check_tokenizer
 from eaglepipe.target.info import (check_fits, load_config, materialize_target, refuse_hf_on_quantized,
                                    require_expert_parallel, weight_bytes)
+from eaglepipe.target.reasoning import require_switch, template_text
 
 
 def check_config(p, config, source: str) -> None:
@@ -50,6 +52,7 @@ def main():
         config = load_config(source)
         check_config(p, config, p.target.source)
         check_folder(source, config, config.get_text_config().vocab_size, template)
+        require_switch(p.extract.thinking, template or template_text(source), p.target.source)
         if torch.cuda.is_available():  # on a CPU the engines hold every rank's shard in one host's memory
             check_fits(weight_bytes(source), p.tensor_parallel_size,
                        torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())
@@ -58,6 +61,7 @@ def main():
         try:
             check_config(p, load_config(Path(out_dir)), p.target.source)
             check_tokenizer(Path(out_dir), template)
+            require_switch(p.extract.thinking, template_text(out_dir), p.target.source)
         except ParamsError:
             shutil.rmtree(out_dir)
             raise

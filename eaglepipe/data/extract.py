@@ -39,6 +39,7 @@ from eaglepipe.engines import engine_version, get_engine
 from eaglepipe.params import ExtractParams
 from eaglepipe.sources import code_hash
 from eaglepipe.target.info import TargetInfo
+from eaglepipe.target.reasoning import template_kwargs, thinking_on
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,17 @@ class ExtractStats:
     quarantined: int  # samples left out because their features held NaN/inf (listed in the manifest)
     synthetic: int = 0  # prompts.synthetic conversations asked for ...
     synthetic_written: int = 0  # ... and written (the rest: an empty user turn, or quarantined)
+    thinking: dict | None = None  # extract.thinking set: samples with it on / off, reasoning / answer tokens, cut traces
 
 
-def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
+def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | None = None) -> list[dict]:
     """Replace each assistant turn by the target's completion (greedy if p.temperature == 0).
+
+    With ``p.thinking`` other than "template", each record gets ``thinking`` (on or off,
+    :func:`eaglepipe.target.reasoning.thinking_on`), its prompts are rendered with the template's ``switch``, a
+    turn with thinking on may write ``p.max_thinking_tokens`` tokens, and the last turn also keeps ``completion``:
+    its token ids exactly as generated (reasoning, no end-of-turn when cut), which
+    :func:`eaglepipe.data.template.tokenize_conversation` trains on.
 
     A synthetic record's (:func:`eaglepipe.data.prompts.is_synthetic`) empty user turns are written first by the
     target itself: sampled at ``p.synthetic_temperature`` from :func:`eaglepipe.data.template.user_prompt`
@@ -72,6 +80,9 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
     synthetic record whose user turn came out empty too: see :func:`drop_empty_synthetic`).
     """
     convs = [dict(c, messages=[dict(m) for m in c["messages"]]) for c in convs]
+    if p.thinking != "template":
+        for c in convs:
+            c["thinking"] = thinking_on(c["id"], p.thinking, p.thinking_share, p.seed)
     n_turns = max(len(c["messages"]) for c in convs)
     for i in range(n_turns):
         users = [c for c in convs if is_synthetic(c["id"]) and i < len(c["messages"])
@@ -83,11 +94,26 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams) -> list[dict]:
         todo = [c for c in convs if i < len(c["messages"]) and c["messages"][i]["role"] == "assistant"]
         if not todo:
             continue
-        prompts = [generation_prompt(tok, c["messages"][:i]) for c in todo]
-        _fill(tok, todo, i, engine.generate(prompts, p.max_new_tokens, p.temperature, p.seed + i))
+        for on in (None, False, True):  # one generate call per token budget
+            group = [c for c in todo if c.get("thinking") is on]
+            if not group:
+                continue
+            prompts = [generation_prompt(tok, c["messages"][:i], template_kwargs(switch, on)) for c in group]
+            outs = engine.generate(prompts, p.max_thinking_tokens if on else p.max_new_tokens, p.temperature,
+                                   p.seed + i)
+            _fill(tok, group, i, outs)
+            if on is not None:
+                _keep_completions(group, i, outs)
         for c in todo:
             c["regenerated"] = True
     return convs
+
+
+def _keep_completions(convs: list[dict], i: int, outs: list[list[int]]) -> None:
+    """A thinking-mode record whose turn ``i`` is its last keeps that turn's ids as generated (:func:`regenerate`)."""
+    for c, ids in zip(convs, outs):
+        if i == len(c["messages"]) - 1 and not c.get("regenerate_empty"):
+            c["completion"] = list(ids)
 
 
 def _steered(conv: dict, i: int) -> list[dict]:
@@ -287,11 +313,14 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
     a features store); the shard is captured whole when any does, none of it when none does."""
     if p.regenerate:
         t0 = time.perf_counter()
-        chunk, dropped = drop_empty_synthetic(regenerate(engines.regenerate(), tok, chunk, p))
+        chunk, dropped = drop_empty_synthetic(regenerate(engines.regenerate(), tok, chunk, p,
+                                                         engines.info.thinking_switch))
         timing.generate += time.perf_counter() - t0
         if dropped:
             log.warning("%d synthetic conversations left out: the target wrote an empty user turn", dropped)
-    toks = [tokenize_conversation(tok, conv["messages"], p.max_length) for conv in chunk]
+    toks = [tokenize_conversation(tok, conv["messages"], p.max_length,
+                                  template_kwargs(engines.info.thinking_switch, conv.get("thinking")),
+                                  conv.get("completion"), p.train_reasoning) for conv in chunk]
     caps = [None] * len(chunk)
     if gate and chunk:
         t0 = time.perf_counter()
@@ -303,9 +332,19 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
     samples = []
     for j, (conv, t, h) in enumerate(zip(chunk, toks, caps)):
         aux, last = store_capture(h, p.dtype) if j < gate else (None, None)
-        samples.append(FeatureSample(conv["id"], t.input_ids, t.loss_mask, aux, last))
+        samples.append(FeatureSample(conv["id"], t.input_ids, t.loss_mask, aux, last, _kind(conv, t)))
     messages = {conv["id"]: conv["messages"] for conv in chunk} if p.store == "tokens" else None
     return samples, messages
+
+
+def _kind(conv: dict, t) -> dict | None:
+    """A thinking-mode sample's counts for the manifest (:class:`eaglepipe.data.features.FeatureSample` ``kind``):
+    its mode, its assistant tokens inside and outside the reasoning, whether its trace was cut."""
+    if "thinking" not in conv:
+        return None
+    reasoning = int(t.reasoning.sum())
+    return {"thinking": conv["thinking"], "reasoning_tokens": reasoning,
+            "answer_tokens": int(t.assistant.sum()) - reasoning, "reasoning_cut": t.open_at_end}
 
 
 @dataclass
@@ -410,4 +449,5 @@ def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int, n_synth
         bytes_per_token=nbytes / max(totals["tokens"], 1), resumed_shards=resumed, quarantined=totals["quarantined"],
         synthetic=n_synthetic,
         synthetic_written=sum(is_synthetic(s["id"]) for s in manifest["samples"]),
+        thinking=totals.get("thinking"),
     )

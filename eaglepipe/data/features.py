@@ -17,7 +17,9 @@ tensor         dtype       shape / meaning
 Safetensors metadata of each shard: ``sample_ids``, ``token_hashes``, ``loss_tokens``, ``quarantined`` (JSON
 lists) and ``run_key`` (hash of everything that determines the features). ``manifest.json`` records the
 engine, its version, the target, layers, dtype, one row per shard (file, samples, tokens, bytes), one row per
-sample (id, shard, token count, loss-token count, token hash), the quarantined samples and totals.
+sample (id, shard, token count, loss-token count, token hash), the quarantined samples and totals. Samples
+regenerated with a thinking switch (``extract.thinking``) add ``kinds`` to the shard's metadata, their mode and
+reasoning / answer token counts to their manifest rows, and ``totals.thinking`` sums them.
 
 Byte-reproducible: shards are serialised by :func:`save_shard` (tensors and metadata keys sorted, no
 process-dependent order: safetensors' own ``save_file`` writes ``__metadata__`` in hash-map order, which
@@ -98,6 +100,8 @@ class FeatureSample:
         loss_mask: bool (T,); loss_mask[t] = 1 iff token t+1 lies in an assistant turn.
         aux: (T, L, H) aux hidden states h[k], k in ``layers`` ascending (store dtype).
         last: (T, H) h[N], pre-norm (store dtype).
+        kind: a sample regenerated with a thinking switch: {"thinking", "reasoning_tokens", "answer_tokens",
+            "reasoning_cut"} (eaglepipe/data/extract.py), recorded in the manifest; None otherwise.
     """
 
     id: str
@@ -105,6 +109,7 @@ class FeatureSample:
     loss_mask: torch.Tensor
     aux: torch.Tensor
     last: torch.Tensor
+    kind: dict | None = None
 
 
 def store_capture(h: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +228,8 @@ class ShardWriter:
             "loss_tokens": json.dumps([int(s.loss_mask.sum()) for s in samples]),
             "quarantined": json.dumps(quarantined or [], sort_keys=True),
         }
+        if any(s.kind is not None for s in samples):
+            meta["kinds"] = json.dumps([s.kind for s in samples], sort_keys=True)
         if messages is not None:  # a tokens store's shard
             meta["messages"] = json.dumps(messages, sort_keys=True, ensure_ascii=False)
             meta["features"] = str(len(with_features))
@@ -244,9 +251,11 @@ class ShardWriter:
             loss = json.loads(meta["loss_tokens"])
             quarantined += [dict(q, shard=i) for q in json.loads(meta.get("quarantined", "[]"))]
             n_features = int(meta["features"]) if "features" in meta else None  # tokens store only
+            kinds = json.loads(meta.get("kinds", "null")) or [None] * len(ids)
             for j, sid in enumerate(ids):
                 n = int(offsets[j + 1] - offsets[j])
-                samples.append({"id": sid, "shard": name, "n_tokens": n, "n_loss": loss[j], "token_hash": hashes[j]})
+                samples.append({"id": sid, "shard": name, "n_tokens": n, "n_loss": loss[j], "token_hash": hashes[j],
+                                **(kinds[j] or {})})
                 if n_features is not None:
                     samples[-1]["features"] = j < n_features
             if not ids:  # every sample of this shard was quarantined
@@ -266,6 +275,11 @@ class ShardWriter:
             "loss_tokens": sum(s["n_loss"] for s in samples),
             "quarantined": len(quarantined),
         }
+        kinds = [s for s in samples if "thinking" in s]
+        if kinds:
+            manifest["totals"]["thinking"] = {
+                "on": sum(s["thinking"] for s in kinds), "off": sum(not s["thinking"] for s in kinds),
+                **{k: sum(s[k] for s in kinds) for k in ("reasoning_tokens", "answer_tokens", "reasoning_cut")}}
         atomic_write_json(self.out_dir / MANIFEST, manifest)
         shutil.rmtree(self.scratch, ignore_errors=True)
         return manifest

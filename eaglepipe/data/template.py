@@ -11,7 +11,11 @@ assistant text), so the first assistant token — the one drafted right after th
 An assistant turn spans its content and the template's end-of-turn marker (the draft must learn to stop),
 not the ``<|im_start|>assistant\\n`` header, which the template writes. Spans are found on the rendered
 text: ``render(msgs[:i], add_generation_prompt=True)`` ends where assistant turn i starts and
-``render(msgs[:i+1])`` ends just after it (trailing whitespace dropped).
+``render(msgs[:i+1])`` ends just after it (trailing whitespace dropped). A conversation regenerated with a
+thinking switch (:mod:`eaglepipe.target.reasoning`) is rendered with it, and its last turn is the target's own
+completion as generated: the generation prompt's ids, then the very ids the target wrote (``completion``: an
+unfinished reasoning trace or a missing end-of-turn included), never the template's re-rendering of them, which may
+drop, add or reshape the reasoning, nor a decode and re-encode, which need not give the same tokens.
 """
 
 from __future__ import annotations
@@ -21,34 +25,39 @@ from dataclasses import dataclass
 import torch
 
 from eaglepipe.errors import CaptureMismatch
+from eaglepipe.target.reasoning import CLOSE, OPEN, reasoning_regions
 
 
 @dataclass
 class Tokenized:
-    """input_ids int64 (T,); loss_mask bool (T,); assistant bool (T,) (token t is assistant text)."""
+    """input_ids int64 (T,); loss_mask bool (T,); assistant bool (T,) (token t is assistant text); reasoning bool
+    (T,) (token t is assistant text inside a reasoning region, :func:`eaglepipe.target.reasoning.reasoning_regions`)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     assistant: torch.Tensor
+    reasoning: torch.Tensor
+    open_at_end: bool = False  # a reasoning region is still open at the last token (a trace cut by the budget)
 
 
-def _render(tok, messages: list[dict], gen_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+def _render(tok, messages: list[dict], gen_prompt: bool, kwargs: dict | None = None) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt, **(kwargs or {}))
 
 
-def assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans of its assistant turns.
+def assistant_spans(tok, messages: list[dict], kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character spans of its assistant turns; ``kwargs``: the chat
+    template's options (a thinking switch).
 
     Raises CaptureMismatch when the template is not prefix-stable (rendering a prefix does not give a
     prefix of the full text), since then no span can be trusted.
     """
-    full = _render(tok, messages, False)
+    full = _render(tok, messages, False, kwargs)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = _render(tok, messages[:i], True)
-        upto = _render(tok, messages[: i + 1], False).rstrip()
+        head = _render(tok, messages[:i], True, kwargs)
+        upto = _render(tok, messages[: i + 1], False, kwargs).rstrip()
         if not (full.startswith(head) and full.startswith(upto) and len(upto) > len(head)):
             raise CaptureMismatch(
                 f"chat template is not prefix-stable at message {i}: cannot locate the assistant turn"
@@ -57,29 +66,65 @@ def assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int
     return full, spans
 
 
-def tokenize_conversation(tok, messages: list[dict], max_length: int) -> Tokenized:
+def tokenize_conversation(tok, messages: list[dict], max_length: int, kwargs: dict | None = None,
+                          completion: list[int] | None = None, train_reasoning: bool = True) -> Tokenized:
     """Render ``messages`` with the tokenizer's chat template and build the shifted loss mask.
 
     Args:
         tok: a fast HF tokenizer with a chat template (offset mapping is needed).
         messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
         max_length: sequences are cut to this many tokens.
+        kwargs: the chat template's options (a thinking switch).
+        completion: the last assistant turn's token ids as the target generated them (module docstring); its
+            earlier messages hold no assistant turn (params refuse prompts.max_turns > 1 with extract.thinking).
+        train_reasoning: False leaves reasoning tokens out of the loss mask (params ``extract.train_reasoning``).
     Returns:
         :class:`Tokenized` with tensors of length T ≤ max_length.
     """
-    text, spans = assistant_spans(tok, messages)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"][:max_length]
-    starts = [a for a, _ in enc["offset_mapping"][:max_length]]
-    assistant = torch.tensor([any(s <= c < e for s, e in spans) for c in starts], dtype=torch.bool)
+    if completion is not None:
+        ids, assistant, reasoning = _as_generated(tok, messages, kwargs, completion)
+    else:
+        text, spans = assistant_spans(tok, messages, kwargs)
+        regions = reasoning_regions(text)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
+        assistant = [any(s <= c < e for s, e in spans) for c in starts]
+        reasoning = [a and any(r.start <= c < r.end for r in regions) for a, c in zip(assistant, starts)]
+    ids, assistant, reasoning = ids[:max_length], assistant[:max_length], reasoning[:max_length]
+    close = tok.convert_tokens_to_ids(CLOSE)
+    open_at_end = bool(reasoning) and reasoning[-1] and ids[-1] != close
+    assistant, reasoning = torch.tensor(assistant, dtype=torch.bool), torch.tensor(reasoning, dtype=torch.bool)
+    trained = assistant if train_reasoning else assistant & ~reasoning
     loss_mask = torch.zeros_like(assistant)
-    loss_mask[:-1] = assistant[1:]
-    return Tokenized(torch.tensor(ids, dtype=torch.int64), loss_mask, assistant)
+    loss_mask[:-1] = trained[1:]
+    return Tokenized(torch.tensor(ids, dtype=torch.int64), loss_mask, assistant, reasoning, open_at_end)
 
 
-def generation_prompt(tok, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` followed by the template's assistant header (what the target completes)."""
-    return tok(_render(tok, messages, True), add_special_tokens=False)["input_ids"]
+def _as_generated(tok, messages: list[dict], kwargs: dict | None,
+                  completion: list[int]) -> tuple[list[int], list[bool], list[bool]]:
+    """(ids, assistant, reasoning) of the generation prompt of ``messages[:-1]`` followed by ``completion``: a
+    token is reasoning from the :data:`OPEN` token (or a prompt that left one open) through the :data:`CLOSE` one.
+    Raises CaptureMismatch when the tokenizer has no single token for either marker."""
+    head_text = _render(tok, messages[:-1], True, kwargs)
+    head = tok(head_text, add_special_tokens=False)["input_ids"]
+    markers = [tok(m, add_special_tokens=False)["input_ids"] for m in (OPEN, CLOSE)]
+    if any(len(m) != 1 for m in markers):
+        raise CaptureMismatch(f"the tokenizer has no single token for {OPEN} and {CLOSE} (it gives {markers}): the "
+                              "reasoning in a completion cannot be told from its answer")
+    (open_id,), (close_id,) = markers
+    regions = reasoning_regions(head_text)
+    inside, reasoning = bool(regions) and not regions[-1].closed, []
+    for t in completion:
+        inside = inside or t == open_id
+        reasoning.append(inside)
+        inside = inside and t != close_id
+    return head + list(completion), [False] * len(head) + [True] * len(completion), [False] * len(head) + reasoning
+
+
+def generation_prompt(tok, messages: list[dict], kwargs: dict | None = None) -> list[int]:
+    """Token ids of ``messages`` followed by the template's assistant header (what the target completes);
+    ``kwargs``: the chat template's options (a thinking switch)."""
+    return tok(_render(tok, messages, True, kwargs), add_special_tokens=False)["input_ids"]
 
 
 _QUERY = "\x00eaglepipe-user-turn\x00"  # a sentinel no template writes

@@ -27,6 +27,7 @@ from eaglepipe.engine_table import expert_parallel_refusal
 from eaglepipe.errors import ConventionError, ParamsError
 from eaglepipe.model.rope import rope_parameters
 from eaglepipe.target.config import lm_fields, read_target_config
+from eaglepipe.target.reasoning import template_text, thinking_switch
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class TargetInfo:
     content_hash: str  # sha256 of the safetensors weight files, first 16 hex digits ("" when not hashed)
     rope: dict  # standardized rope_parameters: rope_type, rope_theta and the scaling keys
     source_model_type: str = ""  # the model_type the source declared, when it was loaded as another
+    thinking_switch: str | None = None  # the chat template's thinking switch (eaglepipe/target/reasoning.py), if any
 
 
 def _bundled_gguf(name: str) -> Path:
@@ -111,6 +113,7 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
     has_template = (folder / "chat_template.jinja").exists() or (
         tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text())
     )
+    template = template_text(folder)
     return TargetInfo(
         source=source,
         model_type=cfg["model_type"],
@@ -123,6 +126,7 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
         content_hash=(recorded_hash(folder) or weights_hash(folder)) if hash_weights else "",
         rope=rope_parameters(full),
         source_model_type=str(full.get("eaglepipe_source_model_type", "")),
+        thinking_switch=thinking_switch(template) if template else None,
     )
 
 

@@ -24,6 +24,38 @@ CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Thinking templates of the real forms (eaglepipe/target/reasoning.py), over the tiny ChatML specials: Qwen3's
+# hybrid template (its enable_thinking switch, reasoning split off an assistant message at </think>, kept for turns
+# after the last user query, an empty think block written when off) and DeepSeek-V3.1's (its thinking switch:
+# the generation prompt ends in <think> or </think>, earlier turns' reasoning dropped).
+QWEN3 = (
+    "{%- set ns = namespace(last_query_index=messages|length - 1) %}"
+    "{%- for m in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if m.role == 'user' and ns.last_query_index == messages|length - 1 %}"
+    "{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- set content = m.content %}"
+    "{%- if m.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n'"
+    " + content.lstrip('\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + content }}{%- endif %}{{- '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+DEEPSEEK_V31 = (
+    "{%- if thinking is not defined %}{%- set thinking = false %}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n</think>' + m.content.split('</think>')[-1] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' + ('<think>' if thinking else '</think>') }}"
+    "{%- endif %}"
+)
+TEMPLATES = {"chatml": CHATML, "qwen3": QWEN3, "deepseek_v3.1": DEEPSEEK_V31}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1000000.0}
@@ -68,8 +100,9 @@ FAMILIES: dict[str, tuple[str, dict, str | None, str]] = {
 }
 
 
-def tiny_tokenizer():
-    """A character-level fast tokenizer (ids < 99) with ChatML specials and template."""
+def tiny_tokenizer(template: str = "chatml"):
+    """A character-level fast tokenizer (ids < 99) with ChatML specials and the chat template ``template`` (a key of
+    :data:`TEMPLATES`); ``<think>`` and ``</think>`` are tokens of their own, not special (as in Qwen3)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -79,18 +112,20 @@ def tiny_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.add_special_tokens(specials[:3])
+    tok.add_tokens(["<think>", "</think>"])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
-        unk_token="[UNK]", chat_template=CHATML,
+        unk_token="[UNK]", chat_template=TEMPLATES[template],
     )
 
 
-def build(name: str, out: str | Path, seed: int = 0, **overrides) -> Path:
+def build(name: str, out: str | Path, seed: int = 0, template: str = "chatml", **overrides) -> Path:
     """Save the tiny random target ``name`` (a key of :data:`FAMILIES`) as an HF folder at ``out``.
 
     Weights are random (torch seed ``seed``), float32. For ``kimi_k2`` the folder's config.json then says
     ``model_type: kimi_k2`` (as Kimi-K2 checkpoints do), which transformers alone cannot load.
-    ``overrides``: config keys over the family's (e.g. ``num_experts_per_tok=1`` for a variant).
+    ``overrides``: config keys over the family's (e.g. ``num_experts_per_tok=1`` for a variant); ``template``: the
+    tokenizer's chat template (:func:`tiny_tokenizer`).
     """
     import torch
     import transformers
@@ -101,7 +136,7 @@ def build(name: str, out: str | Path, seed: int = 0, **overrides) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     out = Path(out)
     model.save_pretrained(out)
-    tiny_tokenizer().save_pretrained(out)
+    tiny_tokenizer(template).save_pretrained(out)
     if model_type is not None:
         raw = read_target_config(out)
         raw["model_type"] = model_type

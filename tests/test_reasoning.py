@@ -1,0 +1,131 @@
+"""Reasoning targets: the thinking switch found in the template, per-conversation modes, what the target wrote kept
+as generated, reasoning and answer tokens counted, the loss mask with and without the reasoning, refusals."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoTokenizer
+
+from eaglepipe.data.features import FeatureSet
+from eaglepipe.data.template import generation_prompt, tokenize_conversation
+from eaglepipe.errors import ParamsError
+from eaglepipe.params import load_params
+from eaglepipe.target.reasoning import no_switch_reason, reasoning_regions, thinking_on, thinking_switch
+from eaglepipe.target.tiny import CHATML, DEEPSEEK_V31, QWEN3, build, tiny_tokenizer
+
+from test_extract import project, run_extract
+
+REPO = Path(__file__).resolve().parents[1]
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_the_switch_is_the_variable_the_template_reads():
+    assert thinking_switch(QWEN3) == "enable_thinking" and thinking_switch(DEEPSEEK_V31) == "thinking"
+    assert thinking_switch(CHATML) is None and thinking_switch("{% if %}") is None  # no switch; no parse
+    harmony = "{{ '<|channel|>analysis' if reasoning_effort }}"
+    assert thinking_switch(harmony) is None and "no off switch" in no_switch_reason(harmony)
+
+
+def test_mix_draws_each_conversation_from_its_id_and_the_seed():
+    draws = [thinking_on(f"c{i}", "mix", 0.5, 0) for i in range(400)]
+    assert 170 <= sum(draws) <= 230  # a fair share, not a pattern of the ids
+    assert draws == [thinking_on(f"c{i}", "mix", 0.5, 0) for i in range(400)]
+    assert draws != [thinking_on(f"c{i}", "mix", 0.5, 1) for i in range(400)]
+    assert [thinking_on("c0", m, 0.5, 0) for m in ("on", "off", "template")] == [True, False, None]
+    assert not any(thinking_on(f"c{i}", "mix", 0.0, 0) for i in range(50))
+
+
+def test_regions_run_from_open_to_close_or_to_the_end():
+    text = "a<think>r</think>b<think>s"
+    assert [(r.start, r.end, r.closed) for r in reasoning_regions(text)] == [(1, 17, True), (18, 26, False)]
+
+
+def test_qwen3_completion_is_trained_as_written_and_off_mode_masks_the_empty_block():
+    tok = tiny_tokenizer("qwen3")
+    msgs = [*HI, {"role": "assistant", "content": "cd"}]
+    ids = tok("<think>\nab\n</think>\n\ncd<|im_end|>", add_special_tokens=False)["input_ids"]
+    on = tokenize_conversation(tok, msgs, 512, {"enable_thinking": True}, ids)
+    head = len(generation_prompt(tok, HI, {"enable_thinking": True}))
+    assert tok.convert_ids_to_tokens(on.input_ids[head:]) == [  # the tiny vocabulary has no "\n\n"
+        "<think>", "\n", "a", "b", "\n", "</think>", "[UNK]", "c", "d", "<|im_end|>"]
+    assert int(on.reasoning.sum()) == 6 and int(on.assistant.sum()) == 10  # <think> \n a b \n </think>; 4 answer
+    assert on.assistant[head:].all() and not on.assistant[:head].any()
+    assert int(on.loss_mask.sum()) == 10
+    answers = tokenize_conversation(tok, msgs, 512, {"enable_thinking": True}, ids, train_reasoning=False)
+    assert int(answers.loss_mask.sum()) == 4 and not answers.loss_mask[head - 1 : head + 5].any()
+    assert not on.open_at_end
+    cut = tokenize_conversation(tok, msgs, 512, {"enable_thinking": True}, ids[:4])
+    assert cut.open_at_end and int(cut.reasoning.sum()) == 4
+    off = tokenize_conversation(tok, msgs, 512, {"enable_thinking": False},
+                                tok("cd<|im_end|>", add_special_tokens=False)["input_ids"])
+    assert "<think>" in tok.decode(off.input_ids) and int(off.assistant.sum()) == 3 and int(off.reasoning.sum()) == 0
+
+
+@pytest.fixture(scope="module")
+def thinking_target(tmp_path_factory) -> Path:
+    """A tiny Qwen3-shaped target whose template has DeepSeek-V3.1's switch: thinking on opens <think> in the
+    generation prompt, so everything the random target writes there is reasoning."""
+    return build("qwen3", tmp_path_factory.mktemp("think") / "target", template="deepseek_v3.1",
+                 num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("train_reasoning", [True, False])
+def test_extract_mixes_modes_and_counts_reasoning_and_answer_tokens(tmp_path, thinking_target, train_reasoning):
+    n = 8
+    cwd = project(tmp_path, thinking_target, n, thinking="mix", max_thinking_tokens=12, max_new_tokens=6,
+                  train_reasoning=train_reasoning)
+    out = run_extract(cwd, thinking_target).communicate()[0]
+    report = json.loads((cwd / "extract.json").read_text())
+    think = report["thinking"]
+    want_on = [thinking_on(f"c{i}", "mix", 0.5, 0) for i in range(n)]
+    assert think["on"] == sum(want_on) and think["off"] == n - sum(want_on) and 0 < think["on"] < n, out
+    fs = FeatureSet(cwd / "features")
+    rows = {r["id"]: r for r in fs.manifest["samples"]}
+    tok = AutoTokenizer.from_pretrained(thinking_target)
+    think_id, close_id = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    for i, on in enumerate(want_on):
+        r = rows[f"c{i}"]
+        assert r["thinking"] is on
+        sample = fs.read(next(ref for ref in fs.refs if ref.id == f"c{i}"))
+        head = sample.input_ids[: len(generation_prompt(tok, [{"role": "user", "content": "x"}]))]
+        assert (think_id if on else close_id) in sample.input_ids.tolist(), head
+        if on:  # everything after the opened <think> is reasoning, and no </think> came: cut
+            assert r["answer_tokens"] == 0 and 0 < r["reasoning_tokens"] <= 12 and r["reasoning_cut"]
+        else:
+            assert r["reasoning_tokens"] == 0 and 0 < r["answer_tokens"] <= 6 and not r["reasoning_cut"]
+        assert r["n_loss"] == r["answer_tokens"] + (r["reasoning_tokens"] if train_reasoning else 0)
+    assert think["reasoning_cut"] == think["on"]
+    assert think["reasoning_tokens"] == sum(r["reasoning_tokens"] for r in rows.values()) > 0
+    assert report["loss_tokens"] == think["answer_tokens"] + (think["reasoning_tokens"] if train_reasoning else 0)
+
+
+def _params(**over) -> dict:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for key, value in over.items():
+        section, name = key.split(".")
+        params[section][name] = value
+    return params
+
+
+@pytest.mark.parametrize(("over", "says"), [
+    ({"extract.thinking": "mix", "extract.regenerate": False}, "hold no reasoning the target wrote"),
+    ({"extract.thinking": "on", "prompts.max_turns": 2}, "set prompts.max_turns: 1"),
+])
+def test_params_that_cannot_make_reasoning_data_are_refused(tmp_path, over, says):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(_params(**over)))
+    with pytest.raises(ParamsError, match=says):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_a_template_without_a_switch_is_refused_at_the_target_stage(tmp_path, tiny_target):
+    params = _params(**{"extract.thinking": "mix"})
+    params["target"]["source"] = str(tiny_target)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "enable_thinking" in r.stderr and "jinja2.meta" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
