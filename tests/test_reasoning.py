@@ -8,16 +8,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_extract import project, run_extract
 from transformers import AutoTokenizer
 
 from eaglepipe.data.features import FeatureSet
 from eaglepipe.data.template import generation_prompt, tokenize_conversation
 from eaglepipe.errors import ParamsError
 from eaglepipe.params import load_params
-from eaglepipe.target.reasoning import no_switch_reason, reasoning_regions, thinking_on, thinking_switch
+from eaglepipe.target.reasoning import (
+    no_switch_reason,
+    reasoning_regions,
+    thinking_on,
+    thinking_switch,
+)
 from eaglepipe.target.tiny import CHATML, DEEPSEEK_V31, QWEN3, build, tiny_tokenizer
-
-from test_extract import project, run_extract
 
 REPO = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "hi"}]
@@ -125,7 +129,7 @@ def test_a_template_without_a_switch_is_refused_at_the_target_stage(tmp_path, ti
     params = _params(**{"extract.thinking": "mix"})
     params["target"]["source"] = str(tiny_target)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path, check=False,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "enable_thinking" in r.stderr and "jinja2.meta" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()

@@ -9,8 +9,9 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from eaglepipe.data.extract import _steered, drop_empty_synthetic, extract, regenerate
+from eaglepipe.data.extract import extract
 from eaglepipe.data.prompts import is_synthetic, synthetic_records
+from eaglepipe.data.regenerate import _steered, drop_empty_synthetic, regenerate
 from eaglepipe.data.template import generation_prompt, user_prompt
 from eaglepipe.errors import CaptureMismatch, ParamsError
 from eaglepipe.params import ExtractParams, load_params, parse_params

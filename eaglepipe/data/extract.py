@@ -32,14 +32,21 @@ from tqdm import tqdm
 
 from eaglepipe.contract import convention
 from eaglepipe.data.distributed_extract import ALONE, Replica, agree, gather_to_rank0
-from eaglepipe.data.features import FeatureSample, ShardWriter, non_finite, run_key, store_capture
+from eaglepipe.data.features import (
+    FeatureSample,
+    ShardWriter,
+    non_finite,
+    run_key,
+    store_capture,
+)
 from eaglepipe.data.prompts import is_synthetic
-from eaglepipe.data.template import generation_prompt, tokenize_conversation, user_prompt
+from eaglepipe.data.regenerate import drop_empty_synthetic, regenerate
+from eaglepipe.data.template import tokenize_conversation
 from eaglepipe.engines import engine_version, get_engine
 from eaglepipe.params import ExtractParams
 from eaglepipe.sources import code_hash
 from eaglepipe.target.info import TargetInfo
-from eaglepipe.target.reasoning import template_kwargs, thinking_on
+from eaglepipe.target.reasoning import template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -61,90 +68,6 @@ class ExtractStats:
     synthetic: int = 0  # prompts.synthetic conversations asked for ...
     synthetic_written: int = 0  # ... and written (the rest: an empty user turn, or quarantined)
     thinking: dict | None = None  # extract.thinking set: samples with it on / off, reasoning / answer tokens, cut traces
-
-
-def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | None = None) -> list[dict]:
-    """Replace each assistant turn by the target's completion (greedy if p.temperature == 0).
-
-    With ``p.thinking`` other than "template", each record gets ``thinking`` (on or off,
-    :func:`eaglepipe.target.reasoning.thinking_on`), its prompts are rendered with the template's ``switch``, a
-    turn with thinking on may write ``p.max_thinking_tokens`` tokens, and the last turn also keeps ``completion``:
-    its token ids exactly as generated (reasoning, no end-of-turn when cut), which
-    :func:`eaglepipe.data.template.tokenize_conversation` trains on.
-
-    A synthetic record's (:func:`eaglepipe.data.prompts.is_synthetic`) empty user turns are written first by the
-    target itself: sampled at ``p.synthetic_temperature`` from :func:`eaglepipe.data.template.user_prompt`
-    (Magpie, arXiv:2406.08464), under the record's ``steer`` system turn if it has one (:func:`_steered`), then
-    answered like any other turn (without it). Returns new records (``messages``
-    rewritten, ``regenerated: true``); a completion that decodes to empty text keeps the original turn and is marked ``regenerate_empty`` (a
-    synthetic record whose user turn came out empty too: see :func:`drop_empty_synthetic`).
-    """
-    convs = [dict(c, messages=[dict(m) for m in c["messages"]]) for c in convs]
-    if p.thinking != "template":
-        for c in convs:
-            c["thinking"] = thinking_on(c["id"], p.thinking, p.thinking_share, p.seed)
-    n_turns = max(len(c["messages"]) for c in convs)
-    for i in range(n_turns):
-        users = [c for c in convs if is_synthetic(c["id"]) and i < len(c["messages"])
-                 and c["messages"][i]["role"] == "user" and not c["messages"][i]["content"]]
-        if users:
-            outs = engine.generate([user_prompt(tok, _steered(c, i)) for c in users], p.max_new_tokens,
-                                   p.synthetic_temperature, _synthetic_seed(users, p.seed))
-            _fill(tok, users, i, outs)
-        todo = [c for c in convs if i < len(c["messages"]) and c["messages"][i]["role"] == "assistant"]
-        if not todo:
-            continue
-        for on in (None, False, True):  # one generate call per token budget
-            group = [c for c in todo if c.get("thinking") is on]
-            if not group:
-                continue
-            prompts = [generation_prompt(tok, c["messages"][:i], template_kwargs(switch, on)) for c in group]
-            outs = engine.generate(prompts, p.max_thinking_tokens if on else p.max_new_tokens, p.temperature,
-                                   p.seed + i)
-            _fill(tok, group, i, outs)
-            if on is not None:
-                _keep_completions(group, i, outs)
-        for c in todo:
-            c["regenerated"] = True
-    return convs
-
-
-def _keep_completions(convs: list[dict], i: int, outs: list[list[int]]) -> None:
-    """A thinking-mode record whose turn ``i`` is its last keeps that turn's ids as generated (:func:`regenerate`)."""
-    for c, ids in zip(convs, outs):
-        if i == len(c["messages"]) - 1 and not c.get("regenerate_empty"):
-            c["completion"] = list(ids)
-
-
-def _steered(conv: dict, i: int) -> list[dict]:
-    """The messages a synthetic record's user turn i is written after: its first i messages, led by its
-    ``steer`` system turn (:func:`eaglepipe.data.prompts.synthetic_records`) when it has one."""
-    steer = conv.get("steer")
-    return ([{"role": "system", "content": steer}] if steer else []) + conv["messages"][:i]
-
-
-def _fill(tok, convs: list[dict], i: int, outs: list[list[int]]) -> None:
-    for c, ids in zip(convs, outs):
-        text = tok.decode(ids, skip_special_tokens=True).strip()
-        if text:
-            c["messages"][i]["content"] = text
-        else:
-            c["regenerate_empty"] = True
-
-
-def _synthetic_seed(users: list[dict], seed: int) -> int:
-    """The sampling seed of one generate call over synthetic records: vLLM and SGLang seed prompt j with
-    seed + j, so starting at the first record's number gives every record (consecutive ids, see
-    :func:`eaglepipe.data.prompts.synthetic_records`) its own seed, whatever shard it falls in."""
-    return seed + int(users[0]["id"].rsplit("-", 1)[-1])
-
-
-def drop_empty_synthetic(convs: list[dict]) -> tuple[list[dict], int]:
-    """(the records without an empty synthetic user turn, how many were dropped): a user turn the target
-    left empty is no conversation to train on, so it is a counted skip, never an empty prompt."""
-    kept = [c for c in convs if not (is_synthetic(c["id"]) and any(
-        m["role"] == "user" and not m["content"] for m in c["messages"]))]
-    return kept, len(convs) - len(kept)
 
 
 def quarantine(samples: list[FeatureSample]) -> tuple[list[FeatureSample], list[dict]]:
@@ -449,5 +372,15 @@ def _stats(manifest: dict, out_dir: Path, timing: _Timing, resumed: int, n_synth
         bytes_per_token=nbytes / max(totals["tokens"], 1), resumed_shards=resumed, quarantined=totals["quarantined"],
         synthetic=n_synthetic,
         synthetic_written=sum(is_synthetic(s["id"]) for s in manifest["samples"]),
-        thinking=totals.get("thinking"),
+        thinking=_thinking_totals(manifest["samples"]),
     )
+
+
+def _thinking_totals(rows: list[dict]) -> dict | None:
+    """Samples with thinking on / off, their reasoning and answer tokens and cut traces, summed over the manifest's
+    sample rows (None when no sample was regenerated in a thinking mode)."""
+    kinds = [r for r in rows if "thinking" in r]
+    if not kinds:
+        return None
+    return {"on": sum(r["thinking"] for r in kinds), "off": sum(not r["thinking"] for r in kinds),
+            **{k: sum(r[k] for r in kinds) for k in ("reasoning_tokens", "answer_tokens", "reasoning_cut")}}

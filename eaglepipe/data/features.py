@@ -17,9 +17,8 @@ tensor         dtype       shape / meaning
 Safetensors metadata of each shard: ``sample_ids``, ``token_hashes``, ``loss_tokens``, ``quarantined`` (JSON
 lists) and ``run_key`` (hash of everything that determines the features). ``manifest.json`` records the
 engine, its version, the target, layers, dtype, one row per shard (file, samples, tokens, bytes), one row per
-sample (id, shard, token count, loss-token count, token hash), the quarantined samples and totals. Samples
-regenerated with a thinking switch (``extract.thinking``) add ``kinds`` to the shard's metadata, their mode and
-reasoning / answer token counts to their manifest rows, and ``totals.thinking`` sums them.
+sample (id, shard, token count, loss-token count, token hash; a thinking-mode sample's ``kind`` from the shard's
+``kinds`` metadata), the quarantined samples and totals.
 
 Byte-reproducible: shards are serialised by :func:`save_shard` (tensors and metadata keys sorted, no
 process-dependent order: safetensors' own ``save_file`` writes ``__metadata__`` in hash-map order, which
@@ -66,7 +65,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eaglepipe.atomic import atomic_path, atomic_write_json
+from eaglepipe.atomic import atomic_write_json
+from eaglepipe.data.shard_file import save_shard
 from eaglepipe.errors import CaptureMismatch, FeatureStoreError
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,7 @@ class FeatureSample:
         loss_mask: bool (T,); loss_mask[t] = 1 iff token t+1 lies in an assistant turn.
         aux: (T, L, H) aux hidden states h[k], k in ``layers`` ascending (store dtype).
         last: (T, H) h[N], pre-norm (store dtype).
-        kind: a sample regenerated with a thinking switch: {"thinking", "reasoning_tokens", "answer_tokens",
-            "reasoning_cut"} (eaglepipe/data/extract.py), recorded in the manifest; None otherwise.
+        kind: a thinking-mode sample's mode and token counts (eaglepipe/data/extract.py ``_kind``), else None.
     """
 
     id: str
@@ -121,34 +120,6 @@ def store_capture(h: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tens
 
 def _shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
-
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-              torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
-
-
-def save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write a safetensors file whose bytes depend only on the tensors and metadata (atomic: ``path.tmp`` + rename).
-
-    Tensors are laid out in sorted name order, the header JSON has sorted keys and is space-padded to a
-    multiple of 8 bytes (as safetensors does); readable by ``safe_open`` / ``load_file``.
-    Raises KeyError for a dtype outside :data:`_ST_DTYPES`.
-    """
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with atomic_path(path, 8 + len(head) + offset) as tmp, open(tmp, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for raw in blobs:
-            f.write(raw)
 
 
 def non_finite(sample: "FeatureSample") -> dict | None:
@@ -275,11 +246,6 @@ class ShardWriter:
             "loss_tokens": sum(s["n_loss"] for s in samples),
             "quarantined": len(quarantined),
         }
-        kinds = [s for s in samples if "thinking" in s]
-        if kinds:
-            manifest["totals"]["thinking"] = {
-                "on": sum(s["thinking"] for s in kinds), "off": sum(not s["thinking"] for s in kinds),
-                **{k: sum(s[k] for s in kinds) for k in ("reasoning_tokens", "answer_tokens", "reasoning_cut")}}
         atomic_write_json(self.out_dir / MANIFEST, manifest)
         shutil.rmtree(self.scratch, ignore_errors=True)
         return manifest

@@ -381,7 +381,7 @@ SYNTHETIC_SOURCE = "synthetic"
 def synthetic_records(n: int, topics: list[str] | tuple[str, ...] = ()) -> list[dict]:
     """``n`` placeholder conversations whose turns the target writes itself (Magpie, arXiv:2406.08464).
 
-    Each is one empty user turn and one empty assistant turn; extract's :func:`eaglepipe.data.extract.regenerate`
+    Each is one empty user turn and one empty assistant turn; extract's :func:`eaglepipe.data.regenerate.regenerate`
     samples the user turn from the chat template's user header and then answers it like any other. Ids
     ``synthetic-000000`` … are consecutive (their sampling seeds derive from them; :func:`is_synthetic`).
     With ``topics`` (system turns, prompts.synthetic_topics), record i carries ``steer`` = topics[i % len]: the
