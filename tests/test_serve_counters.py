@@ -1,5 +1,7 @@
 """Served-τ arithmetic shared by the engines: batch groups, per-batch-size results, SGLang's own counters."""
 
+import importlib.util
+
 import pytest
 
 from eaglepipe.engines.serve import by_batch_size, groups, spec_acceptance
@@ -79,6 +81,8 @@ def test_sglang_probe_draft_makes_sglang_read_the_ids(tmp_path):
         assert tuple(f.get_slice("fc.weight").get_shape()) == (h, 4 * h)
         assert tuple(f.get_slice("lm_head.weight").get_shape()) == (cfg["vocab_size"], h)
     assert probe_draft(target, [1, 3, 4, 5], tmp_path / "w") == out  # written once per (target, ids)
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("the capture-only mode is read from the installed SGLang's sources (scripts/setup.sh installs it)")
     # the installed SGLang (0.5.23) has the capture-only mode: no probe is used there
     assert has_capture_only_mode()
     assert capture_server_args(target, [2], tmp_path / "w", "float32")["return_aux_hidden_state_layer_ids"] == [2]

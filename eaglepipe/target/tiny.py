@@ -102,7 +102,8 @@ FAMILIES: dict[str, tuple[str, dict, str | None, str]] = {
 
 def tiny_tokenizer(template: str = "chatml"):
     """A character-level fast tokenizer (ids < 99) with ChatML specials and the chat template ``template`` (a key of
-    :data:`TEMPLATES`); ``<think>`` and ``</think>`` are tokens of their own, not special (as in Qwen3)."""
+    :data:`TEMPLATES`); a thinking template's ``<think>`` and ``</think>`` are tokens of their own, not special (as in
+    Qwen3)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -112,7 +113,8 @@ def tiny_tokenizer(template: str = "chatml"):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.add_special_tokens(specials[:3])
-    tok.add_tokens(["<think>", "</think>"])
+    if template != "chatml":  # the reasoning markers, where a thinking template writes them
+        tok.add_tokens(["<think>", "</think>"])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
         unk_token="[UNK]", chat_template=TEMPLATES[template],
