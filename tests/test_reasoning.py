@@ -12,7 +12,7 @@ from test_extract import project, run_extract
 from transformers import AutoTokenizer
 
 from eaglepipe.data.features import FeatureSet
-from eaglepipe.data.template import generation_prompt, tokenize_conversation
+from eaglepipe.data.template import generation_prompt, tokenize_generated
 from eaglepipe.errors import ParamsError
 from eaglepipe.params import load_params
 from eaglepipe.target.reasoning import (
@@ -50,22 +50,21 @@ def test_regions_run_from_open_to_close_or_to_the_end():
 
 def test_qwen3_completion_is_trained_as_written_and_off_mode_masks_the_empty_block():
     tok = tiny_tokenizer("qwen3")
-    msgs = [*HI, {"role": "assistant", "content": "cd"}]
     ids = tok("<think>\nab\n</think>\n\ncd<|im_end|>", add_special_tokens=False)["input_ids"]
-    on = tokenize_conversation(tok, msgs, 512, {"enable_thinking": True}, ids)
-    head = len(generation_prompt(tok, HI, {"enable_thinking": True}))
+    prompt = generation_prompt(tok, HI, {"enable_thinking": True})
+    on, head = tokenize_generated(tok, prompt, ids, 512), len(prompt)
     assert tok.convert_ids_to_tokens(on.input_ids[head:]) == [  # the tiny vocabulary has no "\n\n"
         "<think>", "\n", "a", "b", "\n", "</think>", "[UNK]", "c", "d", "<|im_end|>"]
     assert int(on.reasoning.sum()) == 6 and int(on.assistant.sum()) == 10  # <think> \n a b \n </think>; 4 answer
     assert on.assistant[head:].all() and not on.assistant[:head].any()
     assert int(on.loss_mask.sum()) == 10
-    answers = tokenize_conversation(tok, msgs, 512, {"enable_thinking": True}, ids, train_reasoning=False)
+    answers = tokenize_generated(tok, prompt, ids, 512, train_reasoning=False)
     assert int(answers.loss_mask.sum()) == 4 and not answers.loss_mask[head - 1 : head + 5].any()
     assert not on.open_at_end
-    cut = tokenize_conversation(tok, msgs, 512, {"enable_thinking": True}, ids[:4])
+    cut = tokenize_generated(tok, prompt, ids[:4], 512)
     assert cut.open_at_end and int(cut.reasoning.sum()) == 4
-    off = tokenize_conversation(tok, msgs, 512, {"enable_thinking": False},
-                                tok("cd<|im_end|>", add_special_tokens=False)["input_ids"])
+    off = tokenize_generated(tok, generation_prompt(tok, HI, {"enable_thinking": False}),
+                             tok("cd<|im_end|>", add_special_tokens=False)["input_ids"], 512)
     assert "<think>" in tok.decode(off.input_ids) and int(off.assistant.sum()) == 3 and int(off.reasoning.sum()) == 0
 
 
@@ -95,8 +94,7 @@ def test_extract_mixes_modes_and_counts_reasoning_and_answer_tokens(tmp_path, th
         r = rows[f"c{i}"]
         assert r["thinking"] is on
         sample = fs.read(next(ref for ref in fs.refs if ref.id == f"c{i}"))
-        head = sample.input_ids[: len(generation_prompt(tok, [{"role": "user", "content": "x"}]))]
-        assert (think_id if on else close_id) in sample.input_ids.tolist(), head
+        assert (think_id if on else close_id) in sample.input_ids.tolist()
         if on:  # everything after the opened <think> is reasoning, and no </think> came: cut
             assert r["answer_tokens"] == 0 and 0 < r["reasoning_tokens"] <= 12 and r["reasoning_cut"]
         else:

@@ -41,7 +41,7 @@ from eaglepipe.data.features import (
 )
 from eaglepipe.data.prompts import is_synthetic
 from eaglepipe.data.regenerate import drop_empty_synthetic, regenerate
-from eaglepipe.data.template import tokenize_conversation
+from eaglepipe.data.template import tokenize_conversation, tokenize_generated
 from eaglepipe.engines import engine_version, get_engine
 from eaglepipe.params import ExtractParams
 from eaglepipe.sources import code_hash
@@ -241,9 +241,11 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
         timing.generate += time.perf_counter() - t0
         if dropped:
             log.warning("%d synthetic conversations left out: the target wrote an empty user turn", dropped)
-    toks = [tokenize_conversation(tok, conv["messages"], p.max_length,
-                                  template_kwargs(engines.info.thinking_switch, conv.get("thinking")),
-                                  conv.get("completion"), p.train_reasoning) for conv in chunk]
+    toks = [tokenize_generated(tok, **conv["generated"], max_length=p.max_length, train_reasoning=p.train_reasoning)
+            if "generated" in conv else
+            tokenize_conversation(tok, conv["messages"], p.max_length,
+                                  template_kwargs(engines.info.thinking_switch, conv.get("thinking")), p.train_reasoning)
+            for conv in chunk]
     caps = [None] * len(chunk)
     if gate and chunk:
         t0 = time.perf_counter()

@@ -15,9 +15,9 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | N
 
     With ``p.thinking`` other than "template", each record gets ``thinking`` (on or off,
     :func:`eaglepipe.target.reasoning.thinking_on`), its prompts are rendered with the template's ``switch``, a
-    turn with thinking on may write ``p.max_thinking_tokens`` tokens, and the last turn also keeps ``completion``:
-    its token ids exactly as generated (reasoning, no end-of-turn when cut), which
-    :func:`eaglepipe.data.template.tokenize_conversation` trains on.
+    turn with thinking on may write ``p.max_thinking_tokens`` tokens, and the last turn also keeps ``generated``: its
+    prompt and completion ids exactly as generated (reasoning, no end-of-turn when cut), which
+    :func:`eaglepipe.data.template.tokenize_generated` trains on.
 
     A synthetic record's (:func:`eaglepipe.data.prompts.is_synthetic`) empty user turns are written first by the
     target itself: sampled at ``p.synthetic_temperature`` from :func:`eaglepipe.data.template.user_prompt`
@@ -50,17 +50,18 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | N
                                    p.seed + i)
             _fill(tok, group, i, outs)
             if on is not None:
-                _keep_completions(group, i, outs)
+                _keep_generated(group, i, prompts, outs)
         for c in todo:
             c["regenerated"] = True
     return convs
 
 
-def _keep_completions(convs: list[dict], i: int, outs: list[list[int]]) -> None:
-    """A thinking-mode record whose turn ``i`` is its last keeps that turn's ids as generated (:func:`regenerate`)."""
-    for c, ids in zip(convs, outs):
+def _keep_generated(convs: list[dict], i: int, prompts: list[list[int]], outs: list[list[int]]) -> None:
+    """A thinking-mode record whose turn ``i`` is its last keeps ``generated``: that turn's prompt and completion
+    ids exactly as the target read and wrote them (:func:`regenerate`)."""
+    for c, prompt, ids in zip(convs, prompts, outs):
         if i == len(c["messages"]) - 1 and not c.get("regenerate_empty"):
-            c["completion"] = list(ids)
+            c["generated"] = {"prompt": list(prompt), "completion": list(ids)}
 
 
 def _steered(conv: dict, i: int) -> list[dict]:

@@ -13,9 +13,9 @@ not the ``<|im_start|>assistant\\n`` header, which the template writes. Spans ar
 text: ``render(msgs[:i], add_generation_prompt=True)`` ends where assistant turn i starts and
 ``render(msgs[:i+1])`` ends just after it (trailing whitespace dropped). A conversation regenerated with a
 thinking switch (:mod:`eaglepipe.target.reasoning`) is rendered with it, and its last turn is the target's own
-completion as generated: the generation prompt's ids, then the very ids the target wrote (``completion``: an
-unfinished reasoning trace or a missing end-of-turn included), never the template's re-rendering of them, which may
-drop, add or reshape the reasoning, nor a decode and re-encode, which need not give the same tokens.
+completion as generated (:func:`tokenize_generated`): the generation prompt's ids, then the very ids the target
+wrote (an unfinished reasoning trace or a missing end-of-turn included), never the template's re-rendering of
+them, which may drop, add or reshape the reasoning, nor a decode and re-encode, which need not give the same tokens.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def assistant_spans(tok, messages: list[dict], kwargs: dict | None = None) -> tu
 
 
 def tokenize_conversation(tok, messages: list[dict], max_length: int, kwargs: dict | None = None,
-                          completion: list[int] | None = None, train_reasoning: bool = True) -> Tokenized:
+                          train_reasoning: bool = True) -> Tokenized:
     """Render ``messages`` with the tokenizer's chat template and build the shifted loss mask.
 
     Args:
@@ -75,50 +75,50 @@ def tokenize_conversation(tok, messages: list[dict], max_length: int, kwargs: di
         messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
         max_length: sequences are cut to this many tokens.
         kwargs: the chat template's options (a thinking switch).
-        completion: the last assistant turn's token ids as the target generated them (module docstring); its
-            earlier messages hold no assistant turn (params refuse prompts.max_turns > 1 with extract.thinking).
         train_reasoning: False leaves reasoning tokens out of the loss mask (params ``extract.train_reasoning``).
     Returns:
         :class:`Tokenized` with tensors of length T ≤ max_length.
     """
-    if completion is not None:
-        ids, assistant, reasoning = _as_generated(tok, messages, kwargs, completion)
-    else:
-        text, spans = assistant_spans(tok, messages, kwargs)
-        regions = reasoning_regions(text)
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
-        assistant = [any(s <= c < e for s, e in spans) for c in starts]
-        reasoning = [a and any(r.start <= c < r.end for r in regions) for a, c in zip(assistant, starts)]
+    text, spans = assistant_spans(tok, messages, kwargs)
+    regions = reasoning_regions(text)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [a for a, _ in enc["offset_mapping"]]
+    assistant = [any(s <= c < e for s, e in spans) for c in starts]
+    reasoning = [a and any(r.start <= c < r.end for r in regions) for a, c in zip(assistant, starts)]
+    return _tokenized(tok, enc["input_ids"], assistant, reasoning, max_length, train_reasoning)
+
+
+def tokenize_generated(tok, prompt: list[int], completion: list[int], max_length: int,
+                       train_reasoning: bool = True) -> Tokenized:
+    """The sample of a turn as generated (module docstring): ``prompt`` (the generation prompt's ids) then
+    ``completion`` (the ids the target wrote), the completion the assistant turn. A token is reasoning from the
+    :data:`OPEN` token through the :data:`CLOSE` one, the prompt's own markers included (a prompt that opens
+    ``<think>`` makes the completion reasoning until it closes). Raises CaptureMismatch when the tokenizer has no
+    single token for either marker."""
+    open_id, close_id = (tok.convert_tokens_to_ids(m) for m in (OPEN, CLOSE))
+    if tok.unk_token_id in (open_id, close_id) or None in (open_id, close_id):
+        raise CaptureMismatch(f"the tokenizer has no single token for {OPEN} and {CLOSE}: the reasoning in a "
+                              "completion cannot be told from its answer")
+    ids, inside, reasoning = [*prompt, *completion], False, []
+    for t in ids:
+        inside = inside or t == open_id
+        reasoning.append(inside)
+        inside = inside and t != close_id
+    assistant = [False] * len(prompt) + [True] * len(completion)
+    reasoning = [a and r for a, r in zip(assistant, reasoning)]
+    return _tokenized(tok, ids, assistant, reasoning, max_length, train_reasoning)
+
+
+def _tokenized(tok, ids: list[int], assistant: list[bool], reasoning: list[bool], max_length: int,
+               train_reasoning: bool) -> Tokenized:
+    """The :class:`Tokenized` of per-token lists, cut to ``max_length``, with the shifted loss mask."""
     ids, assistant, reasoning = ids[:max_length], assistant[:max_length], reasoning[:max_length]
-    close = tok.convert_tokens_to_ids(CLOSE)
-    open_at_end = bool(reasoning) and reasoning[-1] and ids[-1] != close
+    open_at_end = bool(reasoning) and reasoning[-1] and ids[-1] != tok.convert_tokens_to_ids(CLOSE)
     assistant, reasoning = torch.tensor(assistant, dtype=torch.bool), torch.tensor(reasoning, dtype=torch.bool)
     trained = assistant if train_reasoning else assistant & ~reasoning
     loss_mask = torch.zeros_like(assistant)
     loss_mask[:-1] = trained[1:]
     return Tokenized(torch.tensor(ids, dtype=torch.int64), loss_mask, assistant, reasoning, open_at_end)
-
-
-def _as_generated(tok, messages: list[dict], kwargs: dict | None,
-                  completion: list[int]) -> tuple[list[int], list[bool], list[bool]]:
-    """(ids, assistant, reasoning) of the generation prompt of ``messages[:-1]`` followed by ``completion``: a
-    token is reasoning from the :data:`OPEN` token (or a prompt that left one open) through the :data:`CLOSE` one.
-    Raises CaptureMismatch when the tokenizer has no single token for either marker."""
-    head_text = _render(tok, messages[:-1], True, kwargs)
-    head = tok(head_text, add_special_tokens=False)["input_ids"]
-    markers = [tok(m, add_special_tokens=False)["input_ids"] for m in (OPEN, CLOSE)]
-    if any(len(m) != 1 for m in markers):
-        raise CaptureMismatch(f"the tokenizer has no single token for {OPEN} and {CLOSE} (it gives {markers}): the "
-                              "reasoning in a completion cannot be told from its answer")
-    (open_id,), (close_id,) = markers
-    regions = reasoning_regions(head_text)
-    inside, reasoning = bool(regions) and not regions[-1].closed, []
-    for t in completion:
-        inside = inside or t == open_id
-        reasoning.append(inside)
-        inside = inside and t != close_id
-    return head + list(completion), [False] * len(head) + [True] * len(completion), [False] * len(head) + reasoning
 
 
 def generation_prompt(tok, messages: list[dict], kwargs: dict | None = None) -> list[int]:

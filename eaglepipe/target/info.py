@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import shutil
 from dataclasses import asdict, dataclass
@@ -109,10 +108,6 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
     folder = Path(folder)
     full = read_target_config(folder)
     cfg = lm_fields(full)  # multimodal wrappers (gemma3) keep the LM fields there
-    tok_cfg = folder / "tokenizer_config.json"
-    has_template = (folder / "chat_template.jinja").exists() or (
-        tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text())
-    )
     template = template_text(folder)
     return TargetInfo(
         source=source,
@@ -122,7 +117,7 @@ def read_info(folder: str | Path, source: str = "", hash_weights: bool = True) -
         hidden_size=convention.hidden_size_of(full),
         vocab_size=int(cfg["vocab_size"]),
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype")),
-        has_chat_template=has_template,
+        has_chat_template=bool(template),
         content_hash=(recorded_hash(folder) or weights_hash(folder)) if hash_weights else "",
         rope=rope_parameters(full),
         source_model_type=str(full.get("eaglepipe_source_model_type", "")),

@@ -113,7 +113,7 @@ def tiny_tokenizer(template: str = "chatml"):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.add_special_tokens(specials[:3])
-    if template != "chatml":  # the reasoning markers, where a thinking template writes them
+    if "<think>" in TEMPLATES[template]:  # the reasoning markers, where a thinking template writes them
         tok.add_tokens(["<think>", "</think>"])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
