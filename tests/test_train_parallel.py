@@ -15,11 +15,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_train import _params, _run_stage, _stage_params, features, tiny_target  # noqa: F401  (fixtures)
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from eaglepipe.train.checkpoint import read_checkpoint
 from eaglepipe.train.distributed import launch_ranks
 from eaglepipe.train.loop import train_drafter
 from eaglepipe.train.safe_tree import read_meta
+from eaglepipe.train.ttt.batch import TTTResult
 
 
 def _assert_same_draft(got: str, want: str, tol: float) -> None:
@@ -31,6 +33,16 @@ def _assert_same_draft(got: str, want: str, tol: float) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol / 10)
     with safe_open(got, "pt") as f, safe_open(want, "pt") as g:
         assert f.metadata() == g.metadata() == {"format": "pt"}
+
+
+def test_fsdp2_finds_the_loss_in_the_unroll_result():
+    """FSDP2 of torch < 2.13 finds a forward's output tensors with tree_flatten, and hooks the backward only where
+    it finds one: the unroll's result is a pytree node whose leaves are its tensors, loss first."""
+    r = TTTResult(*(torch.full((2,), float(i)) for i in range(5)))
+    leaves, spec = tree_flatten(r)
+    assert [x is getattr(r, f) for x, f in zip(leaves, ("loss", "step_loss", "correct", "counted", "trained"))] == [True] * 5
+    back = tree_unflatten([x + 1 for x in leaves], spec)
+    assert isinstance(back, TTTResult) and back.loss.tolist() == [1.0, 1.0] and back.trained.tolist() == [5.0, 5.0]
 
 
 def test_launch_ranks_launches_only_from_outside_torchrun(monkeypatch):

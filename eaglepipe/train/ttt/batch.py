@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import register_dataclass
 
 
 @dataclass
@@ -36,3 +37,10 @@ class TTTResult:
     correct: torch.Tensor  # (S,) int64 counted positions where draft argmax == target argmax
     counted: torch.Tensor  # (S,) int64 counted positions
     trained: torch.Tensor  # (S,) int64 positions that enter the loss (top-1 in vocabulary)
+
+
+# A pytree node, so that module hooks find the loss inside the result: FSDP2 before torch 2.13 walks a forward's
+# output with tree_flatten and, finding no tensor in an unregistered dataclass, registers no pre-backward hook;
+# its gradients then reach the sharded parameters one optimizer step late
+# (torch/distributed/fsdp/_fully_shard/_fsdp_state.py, _register_pre_backward_hook).
+register_dataclass(TTTResult)
