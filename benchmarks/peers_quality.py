@@ -318,6 +318,18 @@ def judge(a, drafters: list[Path], layers: list[int]) -> dict[str, list[dict]]:
     return out
 
 
+KEY = ("recipe", "benchmark", "machine", "data")  # a row replaces only the earlier row of the same key
+
+
+def training_data(fs: FeatureSet) -> str:
+    """What the drafts were trained on, from the store's manifest: the dataset's own answers, or the target's."""
+    r = fs.manifest["regenerate"]
+    if not r["regenerate"]:
+        return "ShareGPT answers"
+    return f"target's answers (regenerated, greedy, {r['max_new_tokens']} new tokens)" if r["temperature"] == 0 else \
+        f"target's answers (regenerated, temperature {r['temperature']}, {r['max_new_tokens']} new tokens)"
+
+
 def trained(work: Path) -> list[tuple[Path, dict]]:
     """The drafts a ``--phase train`` left in ``work``: (folder, its peers_info.json), in name order."""
     return [(f.parent, json.loads(f.read_text())) for f in sorted(work.glob("draft-*/peers_info.json"))]
@@ -363,17 +375,18 @@ def main() -> None:
     drafts = [d for d in trained(a.work) if a.phase == "judge" or d[0] in done]
     rows = json.loads(a.out.read_text()) if a.out.exists() else []
     results = judge(a, [d for d, _ in drafts], fs.layers)
+    data = training_data(fs)
     for bench, per_draft in results.items():
         for (_, info), r in zip(drafts, per_draft):
-            row = {"recipe": info["recipe"], "machine": machine(), "conversations": len(fs), "epochs": a.epochs,
+            row = {"recipe": info["recipe"], "machine": machine(), "data": data, "conversations": len(fs),
+                   "epochs": a.epochs,
                    "train_tokens": info["train_tokens"], "train_s": info["train_s"], "judge": f"reference k={a.k}",
                    "benchmark": bench, "prompts": r["prompts"],
                    "max_new_tokens": a.max_new, "tau": round(r["tau"], 4),
                    "acceptance_per_position": [round(x, 4) for x in r["acceptance_per_pos"]],
                    "outputs_equal": r["prompts_equal"] == r["prompts"], "kept_epoch": info["kept_epoch"],
                    "settings": info["settings"], **({"tau_sim_by_epoch": info["tau_sim"]} if "tau_sim" in info else {})}
-            rows = [x for x in rows if (x["recipe"], x["benchmark"], x["machine"]) != (row["recipe"], bench,
-                                                                                      row["machine"])]
+            rows = [x for x in rows if [x[k] for k in KEY] != [row[k] for k in KEY]]
             rows.append(row)
             print("RESULT peers_quality " + json.dumps(row), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
