@@ -1,9 +1,12 @@
 """Stage `serve_eval`: acceptance length τ of the exported draft, by the reference decoder and a real engine.
 
 Usage: python stages/serve_eval.py TARGET_DIR DRAFTER_DIR EXPORT_DIR EVAL_JSONL METRICS_JSON REPORT_JSON ACC_CSV
-Reads params `layers`, `framework`, `serve`. Writes REPORT_JSON (per engine τ, acceptance per draft position,
-tokens/s with and without the draft, what produced them) and METRICS_JSON (the few figures `dvc exp show`
-compares) and ACC_CSV (acceptance per draft position and engine, a `dvc plots` bar chart). Exits 1, after writing both, when an engine's τ is below `serve.min_tau` (nothing accepted).
+Reads params `layers`, `framework`, `serve`, `extract.thinking` (other than "template": every prompt once with
+thinking on and once off; the reference decoder's τ per mode, and inside the reasoning and the answer apart).
+Writes REPORT_JSON (per engine τ, acceptance per draft position, tokens/s with and without the draft, what
+produced them) and METRICS_JSON (the few figures `dvc exp show` compares) and ACC_CSV (acceptance per draft
+position and engine, a `dvc plots` bar chart). Exits 1, after writing both, when an engine's τ is below
+`serve.min_tau` (nothing accepted).
 The reference decoder runs the trained draft (DRAFTER_DIR) on the same prompts as the engine runs the export: when it
 accepts and the engine does not, the message blames the export or the engine's reading of it, not the training.
 """
@@ -28,6 +31,7 @@ from eaglepipe.serving.evaluate import (
     reference_eval,
 )
 from eaglepipe.stage import require_inputs, run, start, write_metrics
+from eaglepipe.target.reasoning import template_text, thinking_switch
 
 
 def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s, tp: int = 1,
@@ -50,7 +54,9 @@ def main():
     target_dir, drafter_dir, export_dir, eval_file, metrics, report_json, acc_csv = map(Path, sys.argv[1:8])
     require_inputs(target_dir, drafter_dir, eval_file, *([export_dir] if p.framework in SERVING else []))
     s = p.serve
-    prompts = eval_prompts(AutoTokenizer.from_pretrained(target_dir), read_jsonl(eval_file), s.prompts)
+    modes = (None,) if p.extract.thinking == "template" else (True, False)  # a draft for a reasoning target: both
+    switch = thinking_switch(template_text(target_dir))
+    prompts = eval_prompts(AutoTokenizer.from_pretrained(target_dir), read_jsonl(eval_file), s.prompts, switch, modes)
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],
            "params": {"layers": p.layers, "framework": p.framework, "serve": s.model_dump()}}
     out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens)

@@ -1,5 +1,6 @@
 """Reasoning targets: the thinking switch found in the template, per-conversation modes, what the target wrote kept
-as generated, reasoning and answer tokens counted, the loss mask with and without the reasoning, refusals."""
+as generated, reasoning and answer tokens counted, the loss mask with and without the reasoning, refusals; the
+reference decoder's τ per thinking mode, inside the reasoning and the answer apart."""
 
 import json
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from test_extract import project, run_extract
 from transformers import AutoTokenizer
@@ -14,7 +16,10 @@ from transformers import AutoTokenizer
 from eaglepipe.data.features import FeatureSet
 from eaglepipe.data.template import generation_prompt, tokenize_generated
 from eaglepipe.errors import ParamsError
+from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
 from eaglepipe.params import load_params
+from eaglepipe.serving.evaluate import compact_serve_metrics, eval_prompts, reasoning_inside, reference_eval
+from eaglepipe.serving.specdec import split_rounds
 from eaglepipe.target.reasoning import (
     no_switch_reason,
     reasoning_regions,
@@ -131,3 +136,77 @@ def test_a_template_without_a_switch_is_refused_at_the_target_stage(tmp_path, ti
                        capture_output=True, text=True)
     assert r.returncode == 2 and "enable_thinking" in r.stderr and "jinja2.meta" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_rounds_are_split_where_their_first_draft_lands():
+    inside = [True] * 4 + [False] * 3
+    got = split_rounds([(1, 2), (4, 0), (5, 3), (9, 1)], inside, 3)  # (9, 1): proposed past the end, an answer
+    assert (got["reasoning"].rounds, got["reasoning"].emitted, got["reasoning"].accepted_per_pos) == (1, 3, [1, 1, 0])
+    assert (got["answer"].rounds, got["answer"].emitted, got["answer"].accepted_per_pos) == (3, 7, [2, 1, 1])
+
+
+def test_the_reasoning_of_an_output_is_told_from_its_prompt_and_markers():
+    tok = tiny_tokenizer("qwen3")
+    ids = tok("<think>\nab\n</think>\n\ncd<|im_end|>", add_special_tokens=False)["input_ids"]
+    on = generation_prompt(tok, HI, {"enable_thinking": True})
+    assert reasoning_inside(tok, on, ids) == [True] * 6 + [False] * 4
+    opened = on + tok("<think>", add_special_tokens=False)["input_ids"]  # DeepSeek-V3.1's form: the prompt opens it
+    assert reasoning_inside(tok, opened, ids[1:]) == [True] * 5 + [False] * 4
+    off = generation_prompt(tok, HI, {"enable_thinking": False})  # its empty block is closed before the output
+    assert reasoning_inside(tok, off, ids[-3:]) == [False] * 3
+
+
+def test_reference_tau_is_given_per_thinking_mode_and_region(tmp_path, thinking_target):
+    cfg = DraftConfig.from_target(json.loads((thinking_target / "config.json").read_text()), n_aux=3,
+                                  draft_vocab_size=99)
+    torch.manual_seed(0)
+    save_draft(Eagle3Draft(cfg), tmp_path / "drafter")
+    tok = AutoTokenizer.from_pretrained(thinking_target)
+    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": w}]} for i, w in enumerate(["hi", "ab"])]
+    prompts = eval_prompts(tok, records, 2, "thinking", (True, False))
+    assert [p["thinking"] for p in prompts] == [True, True, False, False]
+    assert tok.convert_ids_to_tokens(prompts[0]["input_ids"][-1]) == "<think>"
+    res = reference_eval(thinking_target, tmp_path / "drafter", [0, 1, 2], prompts, 3, 12)
+    on, off = res["by_thinking"]["on"], res["by_thinking"]["off"]
+    assert res["outputs_equal"] and on["rounds"] + off["rounds"] == res["rounds"] > 0
+    for mode in (on, off):
+        assert mode["reasoning"]["rounds"] + mode["answer"]["rounds"] == mode["rounds"]
+        assert 1.0 <= mode["tau"] <= 4.0 and len(mode["acceptance_per_pos"]) == 3
+    # the random target never closes the <think> its prompt opened: with thinking on every round is reasoning
+    assert on["reasoning"]["rounds"] == on["rounds"] and off["reasoning"]["rounds"] == 0
+    metrics = compact_serve_metrics({"k": 3, "gate": {"verdict": "ok"}, "reference": res})["reference"]["thinking"]
+    assert metrics["on"] == {"tau": round(on["tau"], 4), "reasoning": round(on["tau"], 4), "answer": 0.0}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_dvc_repro_mixes_thinking_50_50_and_serve_eval_gives_each_mode(tmp_path, thinking_target):
+    """The whole pipeline on a tiny reasoning target with `extract.thinking: mix`, served by vLLM on the CPU."""
+    from test_pipeline import copy_repo, dvc
+
+    from eaglepipe.target.tiny import tiny_conversations
+
+    pytest.importorskip("vllm")
+    cwd = copy_repo(tmp_path / "repo")
+    (cwd / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in tiny_conversations(10)))
+    params = yaml.safe_load((cwd / "params.yaml").read_text())
+    params.update(layers=[1, 2, 3], framework="vllm")
+    params["target"]["source"] = str(thinking_target)
+    params["prompts"].update({"source": "convs.jsonl", "train": 8, "eval": 2, "mtbench": False})
+    params["extract"].update({"thinking": "mix", "max_new_tokens": 8, "max_thinking_tokens": 16, "max_length": 96})
+    params["train"].update({"epochs": 2, "draft_vocab_size": 64})
+    params["serve"].update({"prompts": 2, "max_new_tokens": 16, "min_tau": 1.0})  # 8 samples: τ may be 1
+    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    r = dvc(cwd, "repro")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    think = json.loads((cwd / "reports/extract.json").read_text())["thinking"]
+    assert think["on"] + think["off"] == 8 and think["on"] > 0 and think["off"] > 0, think
+    assert think["reasoning_tokens"] > 0 and think["answer_tokens"] > 0
+    report = json.loads((cwd / "reports/serve_eval.json").read_text())
+    assert [p for p in report["prompts"]] == [p for p in report["prompts"][:2]] * 2  # each eval prompt in both modes
+    by = report["reference"]["by_thinking"]
+    assert by["on"]["rounds"] + by["off"]["rounds"] == report["reference"]["rounds"]
+    assert by["on"]["reasoning"]["rounds"] > 0 and by["off"]["reasoning"]["rounds"] == 0
+    served = json.loads((cwd / "metrics/serve_eval.json").read_text())
+    assert set(served["reference"]["thinking"]) == {"on", "off"} and served["vllm"]["tau"] >= 1.0
+    assert report["vllm"]["outputs_equal"]

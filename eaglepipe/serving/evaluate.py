@@ -2,7 +2,8 @@
 real engine, with tokens/s with and without the draft.
 
 Prompts: the first ``n`` records of ``eval.jsonl`` (MT-bench first turns come first, then held-out
-conversations), each rendered as its first user turn + the template's assistant header. Decoding is greedy.
+conversations), each rendered as its first user turn + the template's assistant header, for a reasoning target
+once with thinking on and once off (its template's switch, :mod:`eaglepipe.target.reasoning`). Decoding is greedy.
 """
 
 from __future__ import annotations
@@ -12,21 +13,35 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
-from eaglepipe.data.template import generation_prompt
+from eaglepipe.data.template import generation_prompt, tokenize_generated
 from eaglepipe.model.draft import load_draft
-from eaglepipe.serving.specdec import Eagle3Drafter, SpecStats, Target, greedy_generate, speculative_generate
+from eaglepipe.serving.specdec import (
+    Eagle3Drafter,
+    SpecStats,
+    Target,
+    greedy_generate,
+    speculative_generate,
+    split_rounds,
+)
+from eaglepipe.target.reasoning import template_kwargs
 
 log = logging.getLogger(__name__)
 
 
-def eval_prompts(tok, records: list[dict], n: int) -> list[dict]:
-    """[{id, source, input_ids}] for the first ``n`` records (first user turn, system message kept)."""
+def eval_prompts(tok, records: list[dict], n: int, switch: str | None = None,
+                 modes: tuple[bool | None, ...] = (None,)) -> list[dict]:
+    """[{id, source, thinking, input_ids}] for the first ``n`` records (first user turn, system message kept), each
+    rendered once per thinking mode in ``modes`` (True / False: the template's ``switch`` passed on / off; None:
+    the template's default), mode by mode."""
     out = []
-    for r in records[:n]:
-        msgs = r["messages"]
-        upto = next(i for i, m in enumerate(msgs) if m["role"] == "user") + 1
-        out.append({"id": r["id"], "source": r.get("source", ""), "input_ids": generation_prompt(tok, msgs[:upto])})
+    for on in modes:
+        for r in records[:n]:
+            msgs = r["messages"]
+            upto = next(i for i, m in enumerate(msgs) if m["role"] == "user") + 1
+            out.append({"id": r["id"], "source": r.get("source", ""), "thinking": on,
+                        "input_ids": generation_prompt(tok, msgs[:upto], template_kwargs(switch, on))})
     return out
 
 
@@ -43,14 +58,17 @@ def load_reference(target_dir: Path):
 
 @torch.inference_mode()
 def decode_prompt(model, eos_ids: set[int], drafts: list, layers: list[int], prompt: list[int], k: int,
-                  max_new_tokens: int) -> tuple[list[tuple[list[int], SpecStats]], list[int], float]:
+                  max_new_tokens: int, rounds: list[list] | None = None,
+                  ) -> tuple[list[tuple[list[int], SpecStats]], list[int], float]:
     """One prompt through the reference decoder: speculative decoding with each of ``drafts`` (Eagle3Draft on the
     target's device, ``k`` tokens a round, aux states at ``layers``), then plain greedy decoding once (the
     baseline every draft's output must equal) → ([(tokens, SpecStats)] per draft, greedy tokens, greedy seconds).
-    ``model``, ``eos_ids``: :func:`load_reference`'s."""
+    ``model``, ``eos_ids``: :func:`load_reference`'s; ``rounds``: one list a draft, given each round's
+    (position, accepted) (:func:`eaglepipe.serving.specdec.speculative_generate`)."""
     embed = model.model.embed_tokens.weight
-    runs = [speculative_generate(Target(model, layers), Eagle3Drafter(d, embed), prompt, k, max_new_tokens, eos_ids)
-            for d in drafts]
+    rounds = rounds or [None] * len(drafts)
+    runs = [speculative_generate(Target(model, layers), Eagle3Drafter(d, embed), prompt, k, max_new_tokens, eos_ids,
+                                 log) for d, log in zip(drafts, rounds)]
     return (runs, *greedy_generate(model, prompt, max_new_tokens, eos_ids))
 
 
@@ -63,19 +81,29 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
     Returns a dict: tau, acceptance_per_pos, tau_by_source, tokens_per_s_draft / _plain, speedup,
     outputs_equal (speculative output == greedy output, token for token, for every prompt), and with
     ``keep_outputs`` the greedy outputs (token ids per prompt) as ``outputs_greedy``, to compare with an
-    engine's plain outputs.
+    engine's plain outputs. Prompts with a ``thinking`` mode (:func:`eval_prompts`) add ``by_thinking``: {"on" /
+    "off": {tau, acceptance_per_pos, rounds, new_tokens, "reasoning": {…}, "answer": {…}}}, the rounds split by
+    whether their first drafted token is inside the target's reasoning (:func:`reasoning_inside`).
     """
     model, eos_ids = load_reference(target_dir)
     dev = model.device.type
     draft = load_draft(drafter_dir, dev)
-    total, by_source, equal, plain_s, plain_tokens, greedy = SpecStats(k), {}, 0, 0.0, 0, []
+    tok = AutoTokenizer.from_pretrained(target_dir) if any(q.get("thinking") is not None for q in prompts) else None
+    total, by_source, by_mode, equal, plain_s, plain_tokens, greedy = SpecStats(k), {}, {}, 0, 0.0, 0, []
     for prompt in tqdm(prompts, desc="reference τ", unit="prompt"):
-        [(out, st)], ref, sec = decode_prompt(model, eos_ids, [draft], layers, prompt["input_ids"], k, max_new_tokens)
+        rounds = []
+        [(out, st)], ref, sec = decode_prompt(model, eos_ids, [draft], layers, prompt["input_ids"], k, max_new_tokens,
+                                              [rounds])
         equal += out == ref
         greedy.append(ref)
         plain_s, plain_tokens = plain_s + sec, plain_tokens + len(ref)
         total += st
         by_source.setdefault(prompt["source"], SpecStats(k)).__iadd__(st)
+        if prompt.get("thinking") is not None:
+            mode = by_mode.setdefault("on" if prompt["thinking"] else "off", {"all": SpecStats(k)})
+            mode["all"] += st
+            for region, s in split_rounds(rounds, reasoning_inside(tok, prompt["input_ids"], out), k).items():
+                mode.setdefault(region, SpecStats(k)).__iadd__(s)
     res = total.to_dict()
     res.pop("seconds")
     tps_draft, tps_plain = res.pop("tokens_per_s"), plain_tokens / plain_s
@@ -85,7 +113,25 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
         "tokens_per_s_draft": tps_draft, "tokens_per_s_plain": tps_plain, "speedup": tps_draft / tps_plain,
         "outputs_equal": equal == len(prompts), "prompts_equal": equal,
         **({"outputs_greedy": greedy} if keep_outputs else {}),
+        **({"by_thinking": {m: _mode_result(v) for m, v in by_mode.items()}} if by_mode else {}),
     }
+
+
+def reasoning_inside(tok, prompt: list[int], out: list[int]) -> list[bool]:
+    """Per token of ``out`` (the target's continuation of ``prompt``): inside its reasoning, from the ``<think>``
+    token (the prompt's own included: a template that opens it for the target) through ``</think>``
+    (:func:`eaglepipe.data.template.tokenize_generated`). Raises CaptureMismatch when the tokenizer has no single
+    token for either marker."""
+    return tokenize_generated(tok, prompt, out, len(prompt) + len(out)).reasoning[len(prompt):].tolist()
+
+
+def _mode_result(stats: dict[str, SpecStats]) -> dict:
+    """One thinking mode's τ and acceptance: all its rounds, then its reasoning and answer rounds apart."""
+    keep = ("tau", "acceptance_per_pos", "rounds", "new_tokens")
+    res = {key: v for key, v in stats["all"].to_dict().items() if key in keep}
+    for region in ("reasoning", "answer"):
+        res[region] = {key: v for key, v in stats[region].to_dict().items() if key in keep[:3]}
+    return res
 
 
 ZERO_ACCEPTANCE_CAUSES = (
@@ -168,7 +214,8 @@ def _accepted(res: dict) -> str:
 
 def compact_serve_metrics(report: dict) -> dict:
     """The few served figures ``dvc exp show`` compares: per engine τ, acceptance per position, tokens/s,
-    speed-up and greedy equality, plus the gate's verdict. The full report goes to reports/serve_eval.json."""
+    speed-up and greedy equality (and τ per thinking mode: all, reasoning, answer), plus the gate's verdict. The
+    full report goes to reports/serve_eval.json."""
     out = {"k": report["k"], "gate": report["gate"]["verdict"]}
     for name, res in report.items():  # the reference decoder and each engine that served (skips have no τ)
         if not isinstance(res, dict) or "tau" not in res:
@@ -179,5 +226,12 @@ def compact_serve_metrics(report: dict) -> dict:
             "tokens_per_s": round(res["tokens_per_s_draft"], 2), "speedup": round(res["speedup"], 3),
             "outputs_equal": res["outputs_equal"],
             **{f"speedup_bs{b}": round(r["speedup"], 3) for b, r in res.get("by_batch_size", {}).items()},
+            **({"thinking": _thinking_taus(res["by_thinking"])} if "by_thinking" in res else {}),
         }
     return out
+
+
+def _thinking_taus(by_thinking: dict) -> dict:
+    """{mode: {"tau", "reasoning", "answer"}}: the τ of a ``by_thinking`` result (:func:`reference_eval`)."""
+    return {m: {"tau": round(v["tau"], 4), **{r: round(v[r]["tau"], 4) for r in ("reasoning", "answer")}}
+            for m, v in by_thinking.items()}

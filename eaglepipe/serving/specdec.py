@@ -51,6 +51,13 @@ class SpecStats:
         self.new_tokens += o.new_tokens
         return self
 
+    def add_round(self, a: int) -> None:
+        """One verify step whose first ``a`` drafts were accepted (``a + 1`` tokens emitted)."""
+        self.rounds += 1
+        self.emitted += a + 1
+        for i in range(a):
+            self.accepted_per_pos[i] += 1
+
     @property
     def tau(self) -> float:
         """Mean acceptance length: tokens per target forward, bonus token included (1 ≤ τ ≤ k + 1)."""
@@ -123,10 +130,13 @@ class Eagle3Drafter:
 
 @torch.inference_mode()
 def speculative_generate(target: Target, drafter, prompt: list[int], k: int, max_new_tokens: int,
-                         eos_ids: set[int]) -> tuple[list[int], SpecStats]:
+                         eos_ids: set[int], rounds: list[tuple[int, int]] | None = None,
+                         ) -> tuple[list[int], SpecStats]:
     """Greedy speculative decoding of one prompt. ``drafter``: an :class:`Eagle3Drafter` (or the same API).
 
-    Returns the new tokens (≤ max_new_tokens, ending at the first EOS if any) and the round counters.
+    Returns the new tokens (≤ max_new_tokens, ending at the first EOS if any) and the round counters. ``rounds``,
+    when given, gets one ``(s, a)`` a round: the index in the returned tokens that its first drafted token
+    proposed, and how many of its drafts were accepted (:func:`split_rounds` counts them by region).
     """
     from transformers import DynamicCache
 
@@ -145,10 +155,9 @@ def speculative_generate(target: Target, drafter, prompt: list[int], k: int, max
         a = 0
         while a < k and drafts[a] == y[a]:
             a += 1
-        stats.rounds += 1
-        stats.emitted += a + 1
-        for i in range(a):
-            stats.accepted_per_pos[i] += 1
+        stats.add_round(a)
+        if rounds is not None:
+            rounds.append((len(out), a))
         new = drafts[:a] + [y[a]]
         cache.crop(n_cached + a + 1)  # keep x, d1..da
         d_first = drafter.extend([x] + drafts[:a], aux[: a + 1], new)
@@ -159,6 +168,16 @@ def speculative_generate(target: Target, drafter, prompt: list[int], k: int, max
     stats.seconds = time.perf_counter() - t0
     stats.new_tokens = len(out)
     return out, stats
+
+
+def split_rounds(rounds: list[tuple[int, int]], inside: list[bool], k: int) -> dict[str, SpecStats]:
+    """:func:`speculative_generate`'s ``rounds`` of one decode, counted by where each round's first drafted token
+    landed: ``{"reasoning": SpecStats, "answer": SpecStats}``; ``inside[i]``: output token ``i`` is reasoning
+    (a round proposing past the last token counts where the last token is)."""
+    out = {"reasoning": SpecStats(k), "answer": SpecStats(k)}
+    for s, a in rounds:
+        out["reasoning" if inside and inside[min(s, len(inside) - 1)] else "answer"].add_round(a)
+    return out
 
 
 @torch.inference_mode()
