@@ -15,6 +15,10 @@
 # REGEN=1 features: the target's own answers instead of ShareGPT's (the rows' "data" says which).
 # Ablations: EP_SETS='; train.lr=0.001; train.step_decay=1.0' train-eaglepipe trains the defaults and two
 # variants, one process each; SPEC_SETS='optimizer=adamw' likewise; HUMANEVAL=0 judge scores MT-bench only.
+# The tests as setup.sh's machine runs them: wheels (pip download --no-deps, cp312 manylinux) of dvc, dvclive, the
+# pinned transformers and every requirement of theirs the image lacks, split over .gpu/w1 (≤ 8 MB) and .gpu/w2:
+#   carry .gpu/peers/a .gpu/w1: stash-a stash-w1;  carry .gpu/peers/b: stash-b data;
+#   carry .gpu/w2: stash-w2 testenv tests
 # Optional calls: `trainstep` (train_step.py: speculators vs the product's graphed step; its eaglepipe rows
 # were not reached within 230 s: give it TRAINSTEP_S=480), `tests` (the engine-free tests on the CPU cores, after
 # `stash-b data` so the SmolLM2 tests find the model; TESTS_N xdist workers).
@@ -49,6 +53,11 @@ for step in "$@"; do
       du -sh .gpu/peers/* .whl ;;
     stash-a|stash-b)
       mkdir -p $E && cp .gpu/peers/${step#stash-}/* $E/ ;;
+    stash-w1|stash-w2)  # what scripts/setup.sh installs and the image lacks (dvc, dvclive, the pinned transformers)
+      mkdir -p /tmp/wheels && cp .gpu/${step#stash-}/*.whl /tmp/wheels/ ;;
+    testenv)  # into the image's own site-packages: the tests' subprocesses see them without PYTHONPATH
+      python3 -m pip install -q --no-index --no-deps --no-compile --break-system-packages /tmp/wheels/*.whl
+      dvc --version && python3 -c "import transformers, dvclive; print(transformers.__version__)" ;;
     setup)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ;;
