@@ -326,8 +326,8 @@ def training_data(fs: FeatureSet) -> str:
     r = fs.manifest["regenerate"]
     if not r["regenerate"]:
         return "ShareGPT answers"
-    return f"target's answers (regenerated, greedy, {r['max_new_tokens']} new tokens)" if r["temperature"] == 0 else \
-        f"target's answers (regenerated, temperature {r['temperature']}, {r['max_new_tokens']} new tokens)"
+    how = "greedy" if r["temperature"] == 0 else f"temperature {r['temperature']}"
+    return f"target's answers (regenerated, {how}, {r['max_new_tokens']} new tokens)"
 
 
 def trained(work: Path) -> list[tuple[Path, dict]]:
@@ -379,8 +379,7 @@ def main() -> None:
     for bench, per_draft in results.items():
         for (_, info), r in zip(drafts, per_draft):
             row = {"recipe": info["recipe"], "machine": machine(), "data": data, "conversations": len(fs),
-                   "epochs": a.epochs,
-                   "train_tokens": info["train_tokens"], "train_s": info["train_s"], "judge": f"reference k={a.k}",
+                   "epochs": a.epochs, "train_tokens": info["train_tokens"], "train_s": info["train_s"], "judge": f"reference k={a.k}",
                    "benchmark": bench, "prompts": r["prompts"],
                    "max_new_tokens": a.max_new, "tau": round(r["tau"], 4),
                    "acceptance_per_position": [round(x, 4) for x in r["acceptance_per_pos"]],

@@ -56,10 +56,11 @@ def main():
     s = p.serve
     modes = (None,) if p.extract.thinking == "template" else (True, False)  # a draft for a reasoning target: both
     switch = thinking_switch(template_text(target_dir))
-    prompts = eval_prompts(AutoTokenizer.from_pretrained(target_dir), read_jsonl(eval_file), s.prompts, switch, modes)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    prompts = eval_prompts(tok, read_jsonl(eval_file), s.prompts, switch, modes)
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],
            "params": {"layers": p.layers, "framework": p.framework, "serve": s.model_dump()}}
-    out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens)
+    out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens, tok=tok)
     res = serve_engine(p.framework, target_dir, export_dir, [q["input_ids"] for q in prompts], s,
                        p.tensor_parallel_size, p.expert_parallel)
     if res is not None:

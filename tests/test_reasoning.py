@@ -18,7 +18,12 @@ from eaglepipe.data.template import generation_prompt, tokenize_generated
 from eaglepipe.errors import ParamsError
 from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
 from eaglepipe.params import load_params
-from eaglepipe.serving.evaluate import compact_serve_metrics, eval_prompts, reasoning_inside, reference_eval
+from eaglepipe.serving.evaluate import (
+    compact_serve_metrics,
+    eval_prompts,
+    reasoning_inside,
+    reference_eval,
+)
 from eaglepipe.serving.specdec import split_rounds
 from eaglepipe.target.reasoning import (
     no_switch_reason,
@@ -203,7 +208,7 @@ def test_dvc_repro_mixes_thinking_50_50_and_serve_eval_gives_each_mode(tmp_path,
     assert think["on"] + think["off"] == 8 and think["on"] > 0 and think["off"] > 0, think
     assert think["reasoning_tokens"] > 0 and think["answer_tokens"] > 0
     report = json.loads((cwd / "reports/serve_eval.json").read_text())
-    assert [p for p in report["prompts"]] == [p for p in report["prompts"][:2]] * 2  # each eval prompt in both modes
+    assert report["prompts"] == report["prompts"][:2] * 2  # each eval prompt in both modes
     by = report["reference"]["by_thinking"]
     assert by["on"]["rounds"] + by["off"]["rounds"] == report["reference"]["rounds"]
     assert by["on"]["reasoning"]["rounds"] > 0 and by["off"]["reasoning"]["rounds"] == 0

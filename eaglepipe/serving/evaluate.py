@@ -74,7 +74,7 @@ def decode_prompt(model, eos_ids: set[int], drafts: list, layers: list[int], pro
 
 @torch.inference_mode()
 def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], prompts: list[dict], k: int,
-                   max_new_tokens: int, keep_outputs: bool = False) -> dict:
+                   max_new_tokens: int, keep_outputs: bool = False, tok=None) -> dict:
     """τ, acceptance per position and tokens/s of the plain-torch speculative decoder (HF target + draft)
     against plain greedy decoding of the same target, on the same prompts (fp32, CPU or CUDA).
 
@@ -83,12 +83,14 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
     ``keep_outputs`` the greedy outputs (token ids per prompt) as ``outputs_greedy``, to compare with an
     engine's plain outputs. Prompts with a ``thinking`` mode (:func:`eval_prompts`) add ``by_thinking``: {"on" /
     "off": {tau, acceptance_per_pos, rounds, new_tokens, "reasoning": {…}, "answer": {…}}}, the rounds split by
-    whether their first drafted token is inside the target's reasoning (:func:`reasoning_inside`).
+    whether their first drafted token is inside the target's reasoning (:func:`reasoning_inside`; ``tok``: the
+    target's tokenizer, loaded from ``target_dir`` when not given).
     """
     model, eos_ids = load_reference(target_dir)
     dev = model.device.type
     draft = load_draft(drafter_dir, dev)
-    tok = AutoTokenizer.from_pretrained(target_dir) if any(q.get("thinking") is not None for q in prompts) else None
+    if tok is None and any(q.get("thinking") is not None for q in prompts):
+        tok = AutoTokenizer.from_pretrained(target_dir)
     total, by_source, by_mode, equal, plain_s, plain_tokens, greedy = SpecStats(k), {}, {}, 0, 0.0, 0, []
     for prompt in tqdm(prompts, desc="reference τ", unit="prompt"):
         rounds = []
