@@ -11,6 +11,10 @@
   - ``identity_if_max_is_n``: that list unless ``max(layer_ids) == num_layers`` (gpt_oss.py).
 
   Anything else is no known form (None): the engine's own code must be read for a rule.
+- **language model** (vLLM): the architecture a multimodal wrapper builds its decoder as
+  (``init_vllm_registered_model(..., architectures=["Qwen2ForCausalLM"])`` in its ``__init__``); the wrapper's
+  ``SupportsEagle3.set_aux_hidden_state_layers`` (``vllm/model_executor/models/interfaces.py``) hands the ids to
+  that decoder, so its capture code decides what the wrapper captures.
 - **digest**: sha256 of the capture code (the syntax tree, docstrings and positions left out, of every function in
   the class's files, and for vLLM in ``interfaces.py``, that names a capture token). Two releases with the same
   digest for a class run the same capture code, so a rule read in one holds in the other
@@ -94,6 +98,18 @@ def sglang_form(fn: ast.FunctionDef) -> tuple[str | None, int]:
         return None, fn.lineno
     guards = tuple((g, taken) for g, taken in _conditions(fn, comps[0], param) if g is not None)
     return _FORM_OF_GUARDS.get(guards), comps[0].lineno
+
+
+def language_model(tree: ast.Module, cls: str) -> str | None:
+    """The architecture class ``cls``'s ``__init__`` builds its language model as: the literal ``architectures=[X]``
+    of an ``init_vllm_registered_model`` call there (vLLM's multimodal wrappers), or None."""
+    init = method(tree, cls, "__init__")
+    for node in ast.walk(init) if init is not None else ():
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "init_vllm_registered_model":
+            arg = next((k.value for k in node.keywords if k.arg == "architectures"), None)
+            if isinstance(arg, ast.List) and len(arg.elts) == 1 and isinstance(arg.elts[0], ast.Constant):
+                return arg.elts[0].value
+    return None
 
 
 def _capture_functions(tree: ast.Module, source: str):

@@ -28,7 +28,8 @@ What each engine's code says, and how it is read here:
   a class of its MRO defines ``set_eagle3_layers_to_capture``; the nearest one is its capture class (e.g.
   ``Phi3ForCausalLM(LlamaForCausalLM)`` → llama.py ``LlamaForCausalLM``).
 - **hf** (transformers): ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (``transformers/models/auto/modeling_auto.py``),
-  model_type → the architecture a checkpoint of it declares; the engines look a target up by that name.
+  then ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` for the multimodal wrappers it lacks: model_type → the
+  architecture a checkpoint of it declares; the engines look a target up by that name.
 
 Which id meaning a capture class has is not decided here: :data:`eaglepipe.contract.rules.RULES` names the
 capture classes each rule was read from and the SGLang id form each rule reads; a release no rule's versions
@@ -58,6 +59,7 @@ VLLM_REGISTRY = "vllm.model_executor.models.registry"
 VLLM_EAGLE3 = ("vllm.model_executor.models.interfaces", "SupportsEagle3")
 SGLANG_MODELS = "sglang.srt.models"
 HF_AUTO = "transformers.models.auto.modeling_auto"
+HF_MAPS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES")  # causal LMs first
 
 # --- the registries -------------------------------------------------------------------------------------------
 
@@ -101,14 +103,19 @@ def _sglang_registry(index: SourceIndex) -> dict[str, ClassRef]:
 
 
 def _hf_architectures(index: SourceIndex) -> dict[str, str]:
-    """transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: model_type → the causal-LM architecture."""
-    tree = index.module(HF_AUTO).tree
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
+    """model_type → the architecture a checkpoint of it declares: transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``,
+    then ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` for the multimodal wrappers the first lacks (qwen2_5_vl →
+    Qwen2_5_VLForConditionalGeneration), the name the engines' registries look a wrapper up by."""
+    found: dict[str, dict[str, str]] = {}
+    for node in index.module(HF_AUTO).tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in HF_MAPS:
             pairs = ast.literal_eval(node.value.args[0])  # OrderedDict([(model_type, class name), ...])
-            return {k: v for k, v in pairs if isinstance(v, str)}
-    raise RuntimeError(f"{HF_AUTO}: no MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+            found[node.targets[0].id] = {k: v for k, v in pairs if isinstance(v, str)}
+    missing = [name for name in HF_MAPS if name not in found]
+    if missing:
+        raise RuntimeError(f"{HF_AUTO}: no {', '.join(missing)}")
+    causal, wrappers = (found[name] for name in HF_MAPS)
+    return {**causal, **{k: v for k, v in wrappers.items() if k not in causal}}
 
 
 # --- capture classes -------------------------------------------------------------------------------------------
@@ -138,8 +145,9 @@ def _code_class(index: SourceIndex, ref: ClassRef, cap: ClassRef) -> ClassRef:
 
 def _code_facts(index: SourceIndex, engine: str, cap: ClassRef, code: ClassRef, texts: dict[str, str]) -> dict:
     """What the capture code of a code class says (:mod:`eaglepipe.contract.capture_code`): SGLang's id form read
-    from the capture class's setter, the line that shows it ("file:line"), and the digest of the capture code of
-    the capture and code classes' files (vLLM: and interfaces.py, where EagleModelMixin captures). ``texts``:
+    from the capture class's setter, the line that shows it ("file:line"), the digest of the capture code of
+    the capture and code classes' files (vLLM: and interfaces.py, where EagleModelMixin captures), and for a vLLM
+    wrapper the architecture of the language model it builds (``language_model``, absent otherwise). ``texts``:
     module → its capture code, filled as modules are first read (each module's code is read once a scan)."""
     names = list(dict.fromkeys([cap[0], code[0]] + ([VLLM_EAGLE3[0]] if engine == "vllm" else [])))
     mods = [index.module(m) for m in names]
@@ -151,8 +159,10 @@ def _code_facts(index: SourceIndex, engine: str, cap: ClassRef, code: ClassRef, 
     setter = capture_code.method(mods[0].tree, cap[1], capture_code.SGLANG_SETTER) if engine == "sglang" else None
     if setter is not None:
         form, line = capture_code.sglang_form(setter)
-    return {"form": form, "at": f"{index.file(cap)}:{line}",
-            "digest": capture_code.digest([texts[n] for n in names if n in texts])}
+    facts = {"form": form, "at": f"{index.file(cap)}:{line}",
+             "digest": capture_code.digest([texts[n] for n in names if n in texts])}
+    inner = capture_code.language_model(index.module(code[0]).tree, code[1]) if engine == "vllm" else None
+    return {**facts, "language_model": inner} if inner else facts
 
 
 def _engine_rows(index: SourceIndex, engine: str, registry: dict[str, ClassRef], capture) -> tuple[dict, dict]:

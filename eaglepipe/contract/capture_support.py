@@ -42,6 +42,7 @@ class Capture:
     why_not: str  # the engine's reason template, "{file}", "{cls}" filled by :attr:`refusal`
     form: str | None = None  # SGLang: the id form of its capture code (capture_code.FORMS), None: no known form
     at: str = ""  # "file:line" that shows the form (the class's def where there is none)
+    language_model: str | None = None  # vLLM wrapper: the architecture its decoder is built as (capture_code)
 
     @property
     def refusal(self) -> str | None:
@@ -115,15 +116,29 @@ def lookup(engine: str, version: str, model_type: str) -> Capture:
         raise ConventionError(
             f"unknown model family {model_type!r}: neither a family of eaglepipe/contract/rules.py nor a causal-LM "
             f"model_type of transformers {hf} (eaglepipe/contract/{TABLE_FILE})")
+    return _capture(engine, entry, arch, f"model_type {model_type!r}")
+
+
+def lookup_architecture(engine: str, version: str, architecture: str) -> Capture:
+    """:func:`lookup` by the architecture name an engine's registry maps (a wrapper's language model,
+    :attr:`Capture.language_model`). Raises ConventionError as :func:`lookup` does."""
+    entry = section(engine, version)
+    if entry is None:
+        raise ConventionError(f"{engine} {version}: no section in eaglepipe/contract/{TABLE_FILE}; read it: "
+                              f"{reading_command(engine, version)}")
+    return _capture(engine, entry, architecture, f"architecture {architecture}")
+
+
+def _capture(engine: str, entry: dict, arch: str, what: str) -> Capture:
     row = entry["architectures"].get(arch)
     if row is None and entry["fallback"]:  # the engine runs it with its fallback class
         row = entry["architectures"][entry["fallback"]]
         arch = f"{arch} (not in {entry['registry']}: {entry['fallback']})"
     if row is None:
         raise ConventionError(
-            f"{engine} {entry['version']} has no model class of its own for {arch} (model_type {model_type!r}; "
+            f"{engine} {entry['version']} has no model class of its own for {arch} ({what}; "
             f"{entry['registry']} does not name it): it would try its Transformers backend, dense or MoE by the "
             f"config, which eaglepipe does not pick for it; refusing to guess")
     facts = entry["capture_code"].get(row[2]) or {}  # none for a class that cannot capture
     return Capture(engine, entry["version"], arch, row[0], row[1], row[2], entry["no_capture"],
-                   facts.get("form"), facts.get("at", ""))
+                   facts.get("form"), facts.get("at", ""), facts.get("language_model"))

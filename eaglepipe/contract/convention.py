@@ -153,6 +153,8 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
         if cap.refusal:
             raise ConventionError(cap.refusal)
         listed = [r for r in RULES if r.engine == engine and cap.code_class in r.classes]
+        if not listed and cap.language_model:  # a vLLM wrapper: its decoder's class captures
+            return _language_model_rule(cap, engine, version, family)
         if not listed:
             return _rule_by_form(cap, parsed)
     rule = next((r for r in listed if version_matches(r, parsed)), None) or carried_over(listed, engine, version)
@@ -172,6 +174,24 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
     raise ConventionError(
         f"no layer-id rule for {engine} {version} with family {family}: its source was read, and {why}; refusing "
         f"to guess (read the change, then add the release to the rule's versions in eaglepipe/contract/rules.py)")
+
+
+def _language_model_rule(cap: capture_support.Capture, engine: str, version: str, family: str) -> Rule:
+    """The rule of a wrapper whose ``SupportsEagle3`` hands the ids to the language model it builds
+    (vllm/model_executor/models/interfaces.py ``set_aux_hidden_state_layers``): that architecture's rule, its source
+    naming the wrapper's line. Raises ConventionError where the language model's class has no rule."""
+    inner = capture_support.lookup_architecture(engine, version, cap.language_model)
+    if inner.refusal:
+        raise ConventionError(inner.refusal)
+    listed = [r for r in RULES if r.engine == engine and inner.code_class in r.classes]
+    rule = next((r for r in listed if version_matches(r, Version(version))), None) or carried_over(
+        listed, engine, version)
+    if rule is None:
+        raise ConventionError(
+            f"{engine} {version} captures {family} through {cap.code_class} ({cap.at}), whose language model "
+            f"{cap.language_model} ({inner.code_class}) no rule of eaglepipe/contract/rules.py reads; refusing to guess")
+    return replace(rule, source=f"{cap.at} builds its language model as {cap.language_model} and hands "
+                                            f"it the ids; " + rule.source)
 
 
 def _refuse_uncaptured(engine: str, version: str, family: str) -> None:

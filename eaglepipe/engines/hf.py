@@ -16,6 +16,7 @@ import torch
 from eaglepipe.engine_table import expert_parallel_refusal
 from eaglepipe.engines.base import Engine
 from eaglepipe.errors import ParamsError
+from eaglepipe.target.hf_model import decoder, load_model
 from eaglepipe.target.info import refuse_hf_on_quantized
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class HFEngine(Engine):
             raise ParamsError(f"the hf engine (transformers) serves no quantized target in eaglepipe: "
                               f"quantization {quantization!r} needs engine vllm or sglang")
         refuse_hf_on_quantized(self.target_dir, ["an hf engine started on it"])
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.batch_size = batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
@@ -171,13 +172,13 @@ class HFEngine(Engine):
             self.device = str(self.model.device)
         else:
             self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=getattr(torch, dtype))
+            self.model = load_model(self.target_dir, getattr(torch, dtype))
             self.model.to(self.device).eval()
-        self.layers = self.model.model.layers  # N of them (self.n_layers, from the target's TargetInfo)
+        self._base = decoder(self.model)  # model.model, or a wrapper's language model (eaglepipe/target/hf_model.py)
+        self.layers = self._base.layers  # N of them (self.n_layers, from the target's TargetInfo)
         # compile: the decoder layers through one torch.compile (compile_layers); the boundary hooks stay
         # eager. benchmarks/online_train.py times it against eager (capture_only rows)
         self.compiled = compile
-        self._base = self.model.model
         if compile:
             compile_layers(self.layers)
         gen = self.model.generation_config

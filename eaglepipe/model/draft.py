@@ -55,6 +55,7 @@ from eaglepipe.contract.variants import KEYS as NORMS
 from eaglepipe.contract.variants import combination_problem
 from eaglepipe.errors import EaglepipeError
 from eaglepipe.model.rope import inv_freq_and_scaling, rope_parameters
+from eaglepipe.target.config import lm_fields
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -91,10 +92,11 @@ class DraftConfig:
     @classmethod
     def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int,
                     intermediate_size: int = 0, norms: list[str] = ()) -> "DraftConfig":
-        """Build from the target's ``config.json`` dict; ``intermediate_size`` > 0 widens (or narrows) the draft's
+        """Build from the target's ``config.json`` dict (a wrapper's ``text_config``); ``intermediate_size`` > 0 widens (or narrows) the draft's
         MLP, 0 keeps the target's; ``norms``: the EAGLE-3.1 flags switched on (module docstring). Raises
         EaglepipeError on what the draft cannot mirror."""
         rope = rope_parameters(target)  # raises RopeError for what the engines' Llama drafts cannot build
+        target = lm_fields(target)  # a multimodal wrapper's language model
         if target.get("hidden_act", "silu") != "silu":
             raise EaglepipeError(f"target hidden_act {target['hidden_act']!r}: the draft MLP implements silu only")
         nh = int(target["num_attention_heads"])

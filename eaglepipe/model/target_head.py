@@ -20,9 +20,13 @@ import torch
 from safetensors import safe_open
 
 from eaglepipe.errors import EaglepipeError
-from eaglepipe.target.config import read_target_config
+from eaglepipe.target.config import lm_fields, read_target_config
 
 NORM, EMBED, HEAD = "model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"
+# Where a checkpoint keeps its decoder: a causal LM under model., a multimodal wrapper under one of the others
+# (transformers 5 writes Qwen2.5-VL's as model.; Kimi-K2.5's hub checkpoint: language_model.model., its head
+# language_model.lm_head).
+PREFIXES = (("model.", ""), ("model.language_model.", ""), ("language_model.model.", "language_model."))
 
 
 @dataclass
@@ -142,23 +146,27 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 
 def load_target_head(folder: str | Path) -> TargetHead:
-    """Read norm / lm_head / embed_tokens (fp32) and rms_norm_eps from the target's HF folder."""
+    """Read norm / lm_head / embed_tokens (fp32) and rms_norm_eps from the target's HF folder (a multimodal
+    wrapper's: its language model's, under a :data:`PREFIXES` prefix and ``text_config``)."""
     folder = Path(folder)
     cfg = read_target_config(folder)
     files = _weight_files(folder)
-    tied = HEAD not in files
-    if tied and not cfg.get("tie_word_embeddings", False):
-        raise EaglepipeError(f"{folder}: no {HEAD} and tie_word_embeddings is false; the target folder is incomplete")
+    base, head = next(((b, h) for b, h in PREFIXES if f"{b}embed_tokens.weight" in files), PREFIXES[0])
+    names = {NORM: f"{base}norm.weight", EMBED: f"{base}embed_tokens.weight", HEAD: f"{head}{HEAD}"}
+    tied = names[HEAD] not in files
+    if tied and not (cfg.get("tie_word_embeddings") or lm_fields(cfg).get("tie_word_embeddings")):
+        raise EaglepipeError(f"{folder}: no {names[HEAD]} and tie_word_embeddings is false; the target folder is "
+                             "incomplete")
     out = {}
-    for name in (NORM, EMBED) + (() if tied else (HEAD,)):
-        if name not in files:
-            raise EaglepipeError(f"{folder}: tensor {name!r} missing; expected a Llama-family HF checkpoint")
-        with safe_open(files[name], "pt") as f:
-            out[name] = f.get_tensor(name).float()
+    for key in (NORM, EMBED) + (() if tied else (HEAD,)):
+        if names[key] not in files:
+            raise EaglepipeError(f"{folder}: tensor {names[key]!r} missing; expected a Llama-family HF checkpoint")
+        with safe_open(files[names[key]], "pt") as f:
+            out[key] = f.get_tensor(names[key]).float()
     embed = out[EMBED]
     return TargetHead(
         norm_weight=out[NORM],
-        eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        eps=float(lm_fields(cfg).get("rms_norm_eps", 1e-6)),
         lm_head=embed if tied else out[HEAD],
         embed=embed,
         tied=tied,

@@ -25,6 +25,7 @@ from eaglepipe.serving.specdec import (
     speculative_generate,
     split_rounds,
 )
+from eaglepipe.target.hf_model import decoder, load_model
 from eaglepipe.target.reasoning import template_kwargs
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,10 @@ def eval_prompts(tok, records: list[dict], n: int, switch: str | None = None,
 
 
 def load_reference(target_dir: Path):
-    """The reference decoder's target: the HF model in float32, in eval mode, on CUDA when there is one (else
+    """The reference decoder's target: the HF model (a causal LM or a multimodal wrapper: eaglepipe/target/hf_model.py) in float32, in eval mode, on CUDA when there is one (else
     the CPU), and its EOS token ids (generation_config's, one or a list) → ``(model, eos_ids)``."""
-    from transformers import AutoModelForCausalLM
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(dev).eval()
+    model = load_model(target_dir, torch.float32).to(dev).eval()
     eos = model.generation_config.eos_token_id
     return model, set(eos if isinstance(eos, list) else [eos])
 
@@ -65,7 +64,7 @@ def decode_prompt(model, eos_ids: set[int], drafts: list, layers: list[int], pro
     baseline every draft's output must equal) → ([(tokens, SpecStats)] per draft, greedy tokens, greedy seconds).
     ``model``, ``eos_ids``: :func:`load_reference`'s; ``rounds``: one list a draft, given each round's
     (position, accepted) (:func:`eaglepipe.serving.specdec.speculative_generate`)."""
-    embed = model.model.embed_tokens.weight
+    embed = decoder(model).embed_tokens.weight
     rounds = rounds or [None] * len(drafts)
     runs = [speculative_generate(Target(model, layers), Eagle3Drafter(d, embed), prompt, k, max_new_tokens, eos_ids,
                                  log) for d, log in zip(drafts, rounds)]

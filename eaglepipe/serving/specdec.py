@@ -27,6 +27,7 @@ import torch
 
 from eaglepipe.engines.hf import boundary_hooks
 from eaglepipe.model.draft import Eagle3Draft, KVCache, draft_step
+from eaglepipe.target.hf_model import decoder
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Target:
 
     def __init__(self, model, layers: list[int]):
         self.model, self.layers = model, layers
-        self.blocks = model.model.layers
+        self.blocks = decoder(model).layers
 
     @torch.inference_mode()
     def forward(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,8 +17,8 @@ Per engine, what decides:
 - **vllm, sglang**: the engine's own code, through :func:`eaglepipe.contract.convention.rule_for` (the installed
   engine's capture table, :mod:`eaglepipe.contract.capture_support`, and the rule read from the class that
   captures): a class with no capture is refused naming the engine file.
-- **hf**: eaglepipe's hooks (eaglepipe/engines/hf.py) sit on ``model.model.layers`` of transformers'
-  ``AutoModelForCausalLM``; the target is built on the meta device (no weights, no memory) and must have its N
+- **hf**: eaglepipe's hooks (eaglepipe/engines/hf.py) sit on the decoder layers of transformers'
+  ``AutoModelForCausalLM`` (a multimodal wrapper's language model: eaglepipe/target/hf_model.py); the target is built on the meta device (no weights, no memory) and must have its N
   decoder layers there.
 """
 
@@ -29,6 +29,7 @@ from pathlib import Path
 from eaglepipe.contract import convention
 from eaglepipe.errors import ConventionError, ParamsError
 from eaglepipe.serving.servable import engine_version
+from eaglepipe.target.hf_model import auto_class, decoder
 
 
 def capture_uses(extract_engine: str, framework: str) -> dict[str, list[str]]:
@@ -42,19 +43,18 @@ def capture_uses(extract_engine: str, framework: str) -> dict[str, list[str]]:
 def hf_layers_problem(config) -> str | None:
     """Why eaglepipe's hf capture cannot hook this target (a transformers config), or None when it can.
 
-    Builds ``AutoModelForCausalLM.from_config(config)`` on the meta device and looks for ``model.model.layers``
-    holding N decoder layers, which eaglepipe/engines/hf.py hooks (``boundary_hooks``).
+    Builds the model on the meta device (``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a
+    multimodal wrapper: eaglepipe/target/hf_model.py) and looks for its decoder's ``layers`` holding N decoder layers, which eaglepipe/engines/hf.py hooks (``boundary_hooks``).
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     n = getattr(config.get_text_config(), "num_hidden_layers", None)  # through the config's attribute_map (n_layer)
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_class(config).from_config(config)
     except (ValueError, KeyError, TypeError) as e:  # no causal-LM class for this config
-        return f"transformers has no AutoModelForCausalLM for it ({str(e).splitlines()[0][:160]})"
-    layers = getattr(getattr(model, "model", None), "layers", None)
+        return f"transformers has no AutoModelForCausalLM or AutoModelForImageTextToText for it ({str(e).splitlines()[0][:160]})"
+    layers = getattr(decoder(model), "layers", None) if hasattr(model, "model") else None
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) != n:
         size = f" of {len(layers)}" if hasattr(layers, "__len__") else ""
         found = "none" if layers is None else type(layers).__name__ + size
