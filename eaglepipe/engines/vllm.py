@@ -41,7 +41,8 @@ from eaglepipe.engine_table import expert_parallel_refusal
 from eaglepipe.engines import serve
 from eaglepipe.engines.base import Engine, cpu_groups
 from eaglepipe.engines.serve import counter_delta, groups, spec_counters
-from eaglepipe.errors import CaptureMismatch, ParamsError
+from eaglepipe.errors import CaptureMismatch, ParamsError, ServingUnavailable
+from eaglepipe.target.config import lm_fields, read_target_config, wraps_language_model
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ class VLLMEngine(Engine):
         self._extra = {**json.loads(os.environ.get(LLM_ARGS_ENV) or "{}"), **(llm_kwargs or {})}
         if quantization is not None:
             self._extra["quantization"] = quantization
+        if wraps_language_model(read_target_config(self.target_dir)):  # text-only inputs: no vision tower built
+            self._extra.setdefault("language_model_only", True)  # nor profiled (vllm/config/multimodal.py)
         if not 0 < memory_share <= 1:
             raise ValueError(f"memory_share {memory_share} is not in (0, 1]")
         self.memory_share = memory_share
@@ -374,6 +377,16 @@ class VLLMEngine(Engine):
     # ---------------------------------------------------------------- serving (eaglepipe/engines/serve.py)
 
     def eagle3_args(self, draft_dir: str | Path, k: int) -> dict:
+        """vLLM's EAGLE-3 arguments; raises ServingUnavailable for an MLA target (DeepSeek, Kimi) on the CPU: the CPU
+        backend pages an MLA target's KV in blocks of 16 (vllm/v1/attention/backends/mla/cpu_mla.py) and the Llama
+        draft's in multiples of 32 (cpu_attn.py), and one KV cache manager needs one block size for both
+        (vllm/v1/worker/utils.py: "No common block size"). Capture and plain generation run."""
+        if not torch.cuda.is_available() and "kv_lora_rank" in lm_fields(read_target_config(self.target_dir)):
+            raise ServingUnavailable(
+                "EAGLE-3 serving of an MLA target with vLLM needs CUDA: vLLM's CPU backend pages the target's KV in "
+                "blocks of 16 (vllm/v1/attention/backends/mla/cpu_mla.py) and the draft's in multiples of 32 "
+                "(cpu_attn.py), and its KV cache manager needs one size for both (vllm/v1/worker/utils.py). Run "
+                "serve_eval for vllm on a CUDA machine.")
         return {"speculative_config": serve.vllm_speculative_config(draft_dir, k)}
 
     def spec_figures(self, run: dict, k: int) -> dict:

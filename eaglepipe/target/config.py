@@ -41,6 +41,12 @@ def write_target_config(folder: str | Path, cfg: dict) -> None:
     (Path(folder) / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
 
+def wraps_language_model(cfg: dict) -> bool:
+    """Whether a target config is a multimodal wrapper around its language model (a ``text_config``: Qwen2.5-VL,
+    Kimi-K2.5, Gemma-3)."""
+    return isinstance(cfg.get("text_config"), dict)
+
+
 def lm_fields(cfg: dict) -> dict:
     """The language model's fields of a target config: ``text_config`` for multimodal wrappers (gemma3)."""
     return cfg.get("text_config", cfg)

@@ -146,6 +146,76 @@ def build(name: str, out: str | Path, seed: int = 0, template: str = "chatml", *
     return out
 
 
+# Kimi-K2.5 as its hub checkpoint declares it: a KimiK25ForConditionalGeneration wrapper (model_type kimi_k25) whose
+# text_config is a Kimi-K2 (DeepSeek-V3 with MLA) config, language-model weights under language_model.* (vLLM's
+# kimi_k25.py hf_to_vllm_mapper and transformers' kimi_k25 conversion both read these names). The vision tower is
+# configured tiny and left without weights: text-only engines do not build it (vLLM language_model_only) and
+# transformers initializes it.
+KIMI_K25_VISION = {"patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 4,
+                   "merge_kernel_size": [2, 2], "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32,
+                   "intermediate_size": 64, "pos_emb_height": 8, "pos_emb_width": 8}
+# vLLM's fused Kimi-K2.5 image processor reads media_proc_cfg from preprocessor_config.json
+# (vllm/transformers_utils/processors/kimi_k25_vision_fused.py)
+KIMI_K25_MEDIA = {"patch_size": 14, "merge_kernel_size": [2, 2], "temporal_merge_kernel_size": 4,
+                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "in_patch_limit": 256,
+                  "in_patch_limit_each_frame": 64, "in_patch_limit_video": 256, "patch_limit_on_one_side": 32,
+                  "fixed_output_tokens": None}
+
+
+def build_kimi_k25(out: str | Path, seed: int = 0, template: str = "chatml") -> Path:
+    """Save a tiny random Kimi-K2.5-shaped wrapper at ``out``: the tiny ``kimi_k2`` target (:func:`build`, same
+    ``seed``) as the language model of a ``KimiK25ForConditionalGeneration`` checkpoint (:data:`KIMI_K25_VISION`)."""
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        inner = build("kimi_k2", Path(tmp) / "lm", seed=seed, template=template)
+        out.mkdir(parents=True, exist_ok=True)
+        weights = load_file(inner / "model.safetensors")
+        save_file({f"language_model.{k}": v.contiguous() for k, v in weights.items()}, out / "model.safetensors",
+                  metadata={"format": "pt"})
+        for f in inner.iterdir():
+            if f.name not in ("model.safetensors", "config.json"):
+                (out / f.name).write_bytes(f.read_bytes())
+        text = {k: v for k, v in read_target_config(inner).items() if k != "architectures"}
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    write_target_config(out, {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                              "text_config": text, "vision_config": KIMI_K25_VISION, "projection_hidden_size": 32,
+                              "media_placeholder_token_id": 95, "image_token_id": 95, "video_token_id": 96,
+                              "vision_start_token_id": 97, "vision_end_token_id": 98, "tie_word_embeddings": False,
+                              **ids})
+    (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": KIMI_K25_MEDIA}, indent=1))
+    return out
+
+
+def build_qwen2_5_vl(out: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random Qwen2.5-VL wrapper (``Qwen2_5_VLForConditionalGeneration``: its language model a tiny Qwen2
+    with M-RoPE sections summing to head_dim / 2, a 2-block vision tower) at ``out``, with the tiny tokenizer plus
+    Qwen's vision tokens and a Qwen2-VL image processor config."""
+    import torch
+    import transformers
+
+    tok = tiny_tokenizer()
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": vision})
+    start, end, image, video = tok.convert_tokens_to_ids(vision)
+    torch.manual_seed(seed)
+    text = {**_BASE, "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}}
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=text, tie_word_embeddings=False, vision_start_token_id=start, vision_end_token_id=end,
+        image_token_id=image, video_token_id=video,
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[1]))
+    out = Path(out)
+    transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(out)
+    return out
+
+
 WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
 
 
