@@ -38,6 +38,24 @@ def copy_repo(dst: Path) -> Path:
     return dst
 
 
+def tiny_repo(dst: Path, target: Path, extract: dict) -> Path:
+    """A copy of the repo whose params run a tiny ``target`` through vLLM on 10 tiny conversations (h[1..3], 2
+    epochs, 2 served prompts of 16 tokens, τ ≥ 1 accepted); ``extract``: params over the extract defaults."""
+    from eaglepipe.target.tiny import tiny_conversations
+
+    cwd = copy_repo(dst)
+    (cwd / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in tiny_conversations(10)))
+    params = yaml.safe_load((cwd / "params.yaml").read_text())
+    params.update(layers=[1, 2, 3], framework="vllm")
+    params["target"]["source"] = str(target)
+    params["prompts"].update({"source": "convs.jsonl", "train": 8, "eval": 2, "mtbench": False})
+    params["extract"].update(extract)
+    params["train"].update({"epochs": 2, "draft_vocab_size": 64})
+    params["serve"].update({"prompts": 2, "max_new_tokens": 16, "min_tau": 1.0})  # 8 samples: τ may be 1
+    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return cwd
+
+
 def dvc(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DVC_SITE_CACHE_DIR": str(cwd / ".dvc-site"), "DVC_NO_ANALYTICS": "1"}
     return subprocess.run(["dvc", *args], cwd=cwd, capture_output=True, text=True, env=env)

@@ -187,21 +187,11 @@ def test_reference_tau_is_given_per_thinking_mode_and_region(tmp_path, thinking_
 @pytest.mark.vllm
 def test_dvc_repro_mixes_thinking_50_50_and_serve_eval_gives_each_mode(tmp_path, thinking_target):
     """The whole pipeline on a tiny reasoning target with `extract.thinking: mix`, served by vLLM on the CPU."""
-    from test_pipeline import copy_repo, dvc
-
-    from eaglepipe.target.tiny import tiny_conversations
+    from test_pipeline import dvc, tiny_repo
 
     pytest.importorskip("vllm")
-    cwd = copy_repo(tmp_path / "repo")
-    (cwd / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in tiny_conversations(10)))
-    params = yaml.safe_load((cwd / "params.yaml").read_text())
-    params.update(layers=[1, 2, 3], framework="vllm")
-    params["target"]["source"] = str(thinking_target)
-    params["prompts"].update({"source": "convs.jsonl", "train": 8, "eval": 2, "mtbench": False})
-    params["extract"].update({"thinking": "mix", "max_new_tokens": 8, "max_thinking_tokens": 16, "max_length": 96})
-    params["train"].update({"epochs": 2, "draft_vocab_size": 64})
-    params["serve"].update({"prompts": 2, "max_new_tokens": 16, "min_tau": 1.0})  # 8 samples: τ may be 1
-    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    cwd = tiny_repo(tmp_path / "repo", thinking_target,
+                    {"thinking": "mix", "max_new_tokens": 8, "max_thinking_tokens": 16, "max_length": 96})
     r = dvc(cwd, "repro")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     think = json.loads((cwd / "reports/extract.json").read_text())["thinking"]

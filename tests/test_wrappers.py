@@ -17,7 +17,7 @@ import yaml
 from eaglepipe.contract import capture_code, capture_support
 from eaglepipe.contract import convention as conv
 from eaglepipe.contract.inspect import inspect_draft
-from eaglepipe.target.tiny import build_kimi_k25, build_qwen2_5_vl, tiny_conversations
+from eaglepipe.target.tiny import build_kimi_k25, build_qwen2_5_vl
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -106,19 +106,10 @@ def test_hf_engine_hooks_the_wrappers_language_model(wrapper, request):
 def test_dvc_repro_on_a_kimi_k25_wrapper_through_vllm(tmp_path, kimi_k25):
     """The seeds' kind of target, tiny: extraction and the gate through vLLM (offset 0 at every layer), training,
     export, and serve_eval (reference τ; vLLM's CPU backend cannot serve an MLA target with a draft: recorded)."""
-    from test_pipeline import copy_repo, dvc
+    from test_pipeline import dvc, tiny_repo
 
     pytest.importorskip("vllm")
-    cwd = copy_repo(tmp_path / "repo")
-    (cwd / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in tiny_conversations(10)))
-    params = yaml.safe_load((cwd / "params.yaml").read_text())
-    params.update(layers=[1, 2, 3], framework="vllm")
-    params["target"]["source"] = str(kimi_k25)
-    params["prompts"].update({"source": "convs.jsonl", "train": 8, "eval": 2, "mtbench": False})
-    params["extract"].update({"engine": "vllm", "max_length": 96})
-    params["train"].update({"epochs": 2, "draft_vocab_size": 64})
-    params["serve"].update({"prompts": 2, "max_new_tokens": 16, "min_tau": 1.0})
-    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    cwd = tiny_repo(tmp_path / "repo", kimi_k25, {"engine": "vllm", "max_length": 96})
     r = dvc(cwd, "repro")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     offsets = json.loads((cwd / "metrics/offsets.json").read_text())
