@@ -9,6 +9,7 @@ import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from eaglepipe.contract import convention as conv
 from eaglepipe.contract.inspect import inspect_draft
 from eaglepipe.target.tiny import build_kimi_k25, build_qwen2_5_vl
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

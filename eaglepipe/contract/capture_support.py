@@ -103,13 +103,7 @@ def lookup(engine: str, version: str, model_type: str) -> Capture:
     transformers has no causal-LM architecture for, or an architecture the engine's registry does not name. A
     class that cannot capture is returned with its :attr:`Capture.refusal` set.
     """
-    entry = section(engine, version)
-    if entry is None:
-        read = ", ".join(read_versions(engine)) or "(no release)"
-        raise ConventionError(
-            f"no layer-id rule for {engine} {version} with family {model_type!r}: the capture table "
-            f"(eaglepipe/contract/{TABLE_FILE}) was read from {engine} {read}; "
-            f"refusing to guess. Read that release's source: {reading_command(engine, version)}")
+    entry = _read_section(engine, version, f"family {model_type!r}")
     arch = architecture_of(model_type)
     if arch is None:
         hf = ", ".join(read_versions("hf"))
@@ -122,11 +116,19 @@ def lookup(engine: str, version: str, model_type: str) -> Capture:
 def lookup_architecture(engine: str, version: str, architecture: str) -> Capture:
     """:func:`lookup` by the architecture name an engine's registry maps (a wrapper's language model,
     :attr:`Capture.language_model`). Raises ConventionError as :func:`lookup` does."""
+    return _capture(engine, _read_section(engine, version, architecture), architecture, f"architecture {architecture}")
+
+
+def _read_section(engine: str, version: str, what: str) -> dict:
+    """:func:`section`, or ConventionError naming the releases read and the command that reads this one."""
     entry = section(engine, version)
     if entry is None:
-        raise ConventionError(f"{engine} {version}: no section in eaglepipe/contract/{TABLE_FILE}; read it: "
-                              f"{reading_command(engine, version)}")
-    return _capture(engine, entry, architecture, f"architecture {architecture}")
+        read = ", ".join(read_versions(engine)) or "(no release)"
+        raise ConventionError(
+            f"no layer-id rule for {engine} {version} with {what}: the capture table "
+            f"(eaglepipe/contract/{TABLE_FILE}) was read from {engine} {read}; "
+            f"refusing to guess. Read that release's source: {reading_command(engine, version)}")
+    return entry
 
 
 def _capture(engine: str, entry: dict, arch: str, what: str) -> Capture:

@@ -134,11 +134,13 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
     """The rule for (engine, family, version). Raises ConventionError when there is none or it refuses.
 
     A family :data:`RULES` list (hf: every family) takes its listed rule. Any other family is a model_type whose
-    rule the engine's own code decides (:func:`eaglepipe.contract.capture_support.lookup`): the engine's class
-    for it captures through a class one rule names (phi3 → sglang/srt/models/llama.py LlamaForCausalLM), or
-    through capture code of a form one rule is the reading of (:func:`_rule_by_form`), or it is refused naming
-    the engine file. A release no rule's versions cover takes the rule of a release whose capture code it shares
-    (:func:`carried_over`); any other is refused with the command that reads it.
+    rule the engine's own code decides (:func:`eaglepipe.contract.capture_support.lookup`): the engine's class for
+    it captures through a class one rule names (phi3 → sglang/srt/models/llama.py LlamaForCausalLM), or through
+    capture code of a form one rule is the reading of (:func:`_rule_by_form`), or it is refused naming the engine
+    file; a vLLM wrapper takes the rule of the language model it builds (``Capture.language_model``: interfaces.py
+    ``SupportsEagle3.set_aux_hidden_state_layers`` hands that decoder the ids). A release no rule's versions cover
+    takes the rule of a release whose capture code it shares (:func:`carried_over`); any other is refused with the
+    command that reads it.
     """
     version = resolve_version(engine, version)
     parsed = None
@@ -148,20 +150,25 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
         except InvalidVersion:
             raise ConventionError(f"{engine} version {version!r} is not a PEP 440 version") from None
     listed = [r for r in RULES if r.engine == engine and (family in r.families or ANY in r.families)]
+    via = ""  # how the engine's class reaches the class a rule names, where it is not that class
     if not listed and engine != "hf" and family not in FAMILIES:  # the engine's own code decides
         cap = capture_support.lookup(engine, version, family)
         if cap.refusal:
             raise ConventionError(cap.refusal)
         listed = [r for r in RULES if r.engine == engine and cap.code_class in r.classes]
-        if not listed and cap.language_model:  # a vLLM wrapper: its decoder's class captures
-            return _language_model_rule(cap, engine, version, family)
+        if not listed and cap.language_model:  # a vLLM wrapper hands the ids to the decoder it builds
+            inner = capture_support.lookup_architecture(engine, version, cap.language_model)
+            if inner.refusal:
+                raise ConventionError(inner.refusal)
+            listed = [r for r in RULES if r.engine == engine and inner.code_class in r.classes]
+            via = f"{cap.at} builds its language model as {cap.language_model} and hands it the ids; "
         if not listed:
             return _rule_by_form(cap, parsed)
     rule = next((r for r in listed if version_matches(r, parsed)), None) or carried_over(listed, engine, version)
     if rule is not None and rule.read is None:
         raise ConventionError(f"{engine} {version}, family {family}: {rule.meaning} ({rule.source})")
     if rule is not None:
-        return rule
+        return replace(rule, source=via + rule.source) if via else rule
     if capture_support.section(engine, version) is None:
         raise ConventionError(
             f"no layer-id rule for {engine} {version} with family {family}: that release's source was not read "
@@ -174,24 +181,6 @@ def rule_for(engine: str, family: str, version: str | None = None) -> Rule:
     raise ConventionError(
         f"no layer-id rule for {engine} {version} with family {family}: its source was read, and {why}; refusing "
         f"to guess (read the change, then add the release to the rule's versions in eaglepipe/contract/rules.py)")
-
-
-def _language_model_rule(cap: capture_support.Capture, engine: str, version: str, family: str) -> Rule:
-    """The rule of a wrapper whose ``SupportsEagle3`` hands the ids to the language model it builds
-    (vllm/model_executor/models/interfaces.py ``set_aux_hidden_state_layers``): that architecture's rule, its source
-    naming the wrapper's line. Raises ConventionError where the language model's class has no rule."""
-    inner = capture_support.lookup_architecture(engine, version, cap.language_model)
-    if inner.refusal:
-        raise ConventionError(inner.refusal)
-    listed = [r for r in RULES if r.engine == engine and inner.code_class in r.classes]
-    rule = next((r for r in listed if version_matches(r, Version(version))), None) or carried_over(
-        listed, engine, version)
-    if rule is None:
-        raise ConventionError(
-            f"{engine} {version} captures {family} through {cap.code_class} ({cap.at}), whose language model "
-            f"{cap.language_model} ({inner.code_class}) no rule of eaglepipe/contract/rules.py reads; refusing to guess")
-    return replace(rule, source=f"{cap.at} builds its language model as {cap.language_model} and hands "
-                                            f"it the ids; " + rule.source)
 
 
 def _refuse_uncaptured(engine: str, version: str, family: str) -> None:

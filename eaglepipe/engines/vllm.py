@@ -176,8 +176,10 @@ class VLLMEngine(Engine):
         self._extra = {**json.loads(os.environ.get(LLM_ARGS_ENV) or "{}"), **(llm_kwargs or {})}
         if quantization is not None:
             self._extra["quantization"] = quantization
-        if wraps_language_model(read_target_config(self.target_dir)):  # text-only inputs: no vision tower built
-            self._extra.setdefault("language_model_only", True)  # nor profiled (vllm/config/multimodal.py)
+        cfg = read_target_config(self.target_dir)
+        if wraps_language_model(cfg):  # text-only: no vision tower built nor profiled (vllm/config/multimodal.py)
+            self._extra.setdefault("language_model_only", True)
+        self._mla = "kv_lora_rank" in lm_fields(cfg)  # DeepSeek / Kimi attention (eagle3_args)
         if not 0 < memory_share <= 1:
             raise ValueError(f"memory_share {memory_share} is not in (0, 1]")
         self.memory_share = memory_share
@@ -381,7 +383,7 @@ class VLLMEngine(Engine):
         backend pages an MLA target's KV in blocks of 16 (vllm/v1/attention/backends/mla/cpu_mla.py) and the Llama
         draft's in multiples of 32 (cpu_attn.py), and one KV cache manager needs one block size for both
         (vllm/v1/worker/utils.py: "No common block size"). Capture and plain generation run."""
-        if not torch.cuda.is_available() and "kv_lora_rank" in lm_fields(read_target_config(self.target_dir)):
+        if self._mla and not torch.cuda.is_available():
             raise ServingUnavailable(
                 "EAGLE-3 serving of an MLA target with vLLM needs CUDA: vLLM's CPU backend pages the target's KV in "
                 "blocks of 16 (vllm/v1/attention/backends/mla/cpu_mla.py) and the draft's in multiples of 32 "

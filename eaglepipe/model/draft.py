@@ -92,9 +92,9 @@ class DraftConfig:
     @classmethod
     def from_target(cls, target: dict, n_aux: int, draft_vocab_size: int,
                     intermediate_size: int = 0, norms: list[str] = ()) -> "DraftConfig":
-        """Build from the target's ``config.json`` dict (a wrapper's ``text_config``); ``intermediate_size`` > 0 widens (or narrows) the draft's
-        MLP, 0 keeps the target's; ``norms``: the EAGLE-3.1 flags switched on (module docstring). Raises
-        EaglepipeError on what the draft cannot mirror."""
+        """Build from the target's ``config.json`` dict (a wrapper's ``text_config``); ``intermediate_size`` > 0 widens
+        (or narrows) the draft's MLP, 0 keeps the target's; ``norms``: the EAGLE-3.1 flags switched on (module
+        docstring). Raises EaglepipeError on what the draft cannot mirror."""
         rope = rope_parameters(target)  # raises RopeError for what the engines' Llama drafts cannot build
         target = lm_fields(target)  # a multimodal wrapper's language model
         if target.get("hidden_act", "silu") != "silu":

@@ -47,7 +47,8 @@ def eval_prompts(tok, records: list[dict], n: int, switch: str | None = None,
 
 
 def load_reference(target_dir: Path):
-    """The reference decoder's target: the HF model (a causal LM or a multimodal wrapper: eaglepipe/target/hf_model.py) in float32, in eval mode, on CUDA when there is one (else
+    """The reference decoder's target: the HF model (a causal LM or a multimodal wrapper:
+    eaglepipe/target/hf_model.py) in float32, in eval mode, on CUDA when there is one (else
     the CPU), and its EOS token ids (generation_config's, one or a list) → ``(model, eos_ids)``."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(target_dir, torch.float32).to(dev).eval()

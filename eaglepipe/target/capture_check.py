@@ -18,7 +18,8 @@ Per engine, what decides:
   engine's capture table, :mod:`eaglepipe.contract.capture_support`, and the rule read from the class that
   captures): a class with no capture is refused naming the engine file.
 - **hf**: eaglepipe's hooks (eaglepipe/engines/hf.py) sit on the decoder layers of transformers'
-  ``AutoModelForCausalLM`` (a multimodal wrapper's language model: eaglepipe/target/hf_model.py); the target is built on the meta device (no weights, no memory) and must have its N
+  ``AutoModelForCausalLM`` (a multimodal wrapper's language model: eaglepipe/target/hf_model.py); the target is
+  built on the meta device (no weights, no memory) and must have its N
   decoder layers there.
 """
 
@@ -44,7 +45,8 @@ def hf_layers_problem(config) -> str | None:
     """Why eaglepipe's hf capture cannot hook this target (a transformers config), or None when it can.
 
     Builds the model on the meta device (``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a
-    multimodal wrapper: eaglepipe/target/hf_model.py) and looks for its decoder's ``layers`` holding N decoder layers, which eaglepipe/engines/hf.py hooks (``boundary_hooks``).
+    multimodal wrapper: eaglepipe/target/hf_model.py) and looks for its decoder's ``layers`` holding N decoder
+    layers, which eaglepipe/engines/hf.py hooks (``boundary_hooks``).
     """
     import torch
 
@@ -53,7 +55,8 @@ def hf_layers_problem(config) -> str | None:
         with torch.device("meta"):
             model = auto_class(config).from_config(config)
     except (ValueError, KeyError, TypeError) as e:  # no causal-LM class for this config
-        return f"transformers has no AutoModelForCausalLM or AutoModelForImageTextToText for it ({str(e).splitlines()[0][:160]})"
+        return (f"transformers has no AutoModelForCausalLM or AutoModelForImageTextToText for it "
+                f"({str(e).splitlines()[0][:160]})")
     layers = getattr(decoder(model), "layers", None) if hasattr(model, "model") else None
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) != n:
         size = f" of {len(layers)}" if hasattr(layers, "__len__") else ""

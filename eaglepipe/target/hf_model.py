@@ -30,7 +30,7 @@ def load_model(target_dir: str | Path, dtype):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(target_dir)
-    return auto_class(config).from_pretrained(target_dir, dtype=dtype)
+    return auto_class(config).from_pretrained(target_dir, config=config, dtype=dtype)
 
 
 def decoder(model):
