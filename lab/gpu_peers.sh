@@ -92,9 +92,9 @@ for step in "$@"; do
         --loss-mask prompt-reply --iters 8 --warmup 2 --impls speculators eaglepipe-graph eaglepipe-fast \
         --out "$OUTDIR/train_step.json" 2>&1 | tee "$OUTDIR/train_step.log" || echo "trainstep: exit $?" ;;
     tests)  # the tests that need no engine, on this machine's CPU cores (the GPU hidden; the image's xdist)
-      CUDA_VISIBLE_DEVICES= timeout "${TESTS_S:-300}" python3 -m pytest -q -rfE -p no:cacheprovider \
+      CUDA_VISIBLE_DEVICES= timeout "${TESTS_S:-300}" python3 -m pytest -v -rfE -p no:cacheprovider \
         -n "${TESTS_N:-4}" -m "not vllm and not sglang and not network" tests > "$OUTDIR/tests.log" 2>&1 || true
-      tail -60 "$OUTDIR/tests.log" ;;
+      grep -E "FAILED|ERROR" "$OUTDIR/tests.log" | head -40; tail -15 "$OUTDIR/tests.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
