@@ -42,6 +42,47 @@ def _run_inspect(args) -> int:
     return 0 if report.ok else 1
 
 
+def _add_diagnose(sub) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="which boundaries h[k] a draft was trained on, measured on the target; the ids each engine needs",
+        description="Score an EAGLE-3 draft folder (eaglepipe, SGLang/SpecForge, ModelOpt, speculators formats) on "
+        "the target (transformers, fp32, CUDA when there is one) under candidate boundary sets: what the folder "
+        "states, what each engine feeds, the engines' defaults, their shifts, then a search. The set whose "
+        "acceptance stands out is the one it was trained on; then each engine: does it feed that set, and which "
+        "ids its config needs. Exit 0 when found and fed by every engine that loads the folder, 1 otherwise.",
+    )
+    p.add_argument("draft_dir", help="draft folder holding config.json + *.safetensors")
+    p.add_argument("--target", required=True, help="target HF folder (config, weights, tokenizer)")
+    p.add_argument("--prompts", default="mtbench",
+                   help="conversations (.json/.jsonl, eaglepipe/ShareGPT/OpenAI messages) or 'mtbench' (default)")
+    p.add_argument("--prompts-n", type=int, default=8, help="prompts used, their first user turns (default 8)")
+    p.add_argument("--max-new", type=int, default=64, help="greedy tokens the target writes per prompt (default 64)")
+    p.add_argument("--text", choices=("greedy", "conversation"), default="greedy",
+                   help="score on the target's greedy continuations (default) or on the conversations' own "
+                   "assistant turns (how a draft trained on that data without regeneration saw it)")
+    p.add_argument("--no-search", action="store_true", help="score the starting sets only, no coordinate ascent")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.set_defaults(run=_run_diagnose)
+
+
+def _run_diagnose(args) -> int:
+    from eaglepipe.data.prompts import load_conversations, mtbench_first_turns
+    from eaglepipe.serving.diagnose import diagnose, format_diagnosis
+
+    if args.prompts == "mtbench":
+        records = mtbench_first_turns()
+    else:
+        read = load_conversations(args.prompts, 0, 1, 1_000_000)
+        records = read.records
+        if not records:
+            raise EaglepipeError(f"{args.prompts}: no usable conversation (skipped: {dict(read.skipped)})")
+    d = diagnose(args.draft_dir, args.target, records, args.prompts_n, args.max_new, not args.no_search,
+                 text=args.text)
+    print(json.dumps(d.to_json(), indent=2) if args.json else format_diagnosis(d))
+    return 0 if d.ok else 1
+
+
 # An argument ``dvc exp run`` refuses (unrecognized), printed in place of the arguments when the profile is bad:
 # ``dvc exp run $(eaglepipe profile P)`` then stops before any stage instead of running on params.yaml alone.
 PROFILE_FAILED = "--eaglepipe-profile-failed"
@@ -83,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglepipe", description="EAGLE-3 draft models for SGLang and vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
+    _add_diagnose(sub)
     _add_profile(sub)
     return parser
 

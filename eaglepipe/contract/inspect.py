@@ -139,7 +139,7 @@ def detect_format(cfg: dict) -> str:
     return "unknown"
 
 
-def _vllm_view(cfg: dict, fmt: str) -> dict:
+def vllm_view(cfg: dict, fmt: str) -> dict:
     """The hf_config vLLM builds: speculators configs are rebuilt from transformer_layer_config (+ top ids)."""
     if fmt != "speculators":
         return cfg
@@ -279,7 +279,7 @@ def inspect_draft(
     notes: list[str] = []
     warnings: list[str] = []
     engines, agree = _engine_verdicts(cfg, fmt, family, n_layers, versions or {}, problems, notes)
-    _check_rope(_vllm_view(cfg, fmt), target, cfg.get("eaglepipe") or {}, problems, warnings, notes)
+    _check_rope(vllm_view(cfg, fmt), target, cfg.get("eaglepipe") or {}, problems, warnings, notes)
     if fmt == "eagle":
         notes.append("original EAGLE-3 config: its training code hard-codes h[2], h[N//2], h[N-3]")
     draft_target_hidden = cfg.get("target_hidden_size")
@@ -287,7 +287,7 @@ def inspect_draft(
         problems.append(f"draft target_hidden_size {draft_target_hidden} != target hidden_size {target_hidden}")
     target_vocab = target.get("vocab_size") or (target.get("text_config") or {}).get("vocab_size")
     fc_shape, d2t = _check_weights(draft_dir, cfg, engines, target_hidden, target_vocab, problems, notes)
-    flags = {e: variants.config_flags(_vllm_view(cfg, fmt) if e == "vllm" else cfg) for e, v in engines.items()
+    flags = {e: variants.config_flags(vllm_view(cfg, fmt) if e == "vllm" else cfg) for e, v in engines.items()
              if v.loads}
     more = variants.judge(flags, set(draft_tensors(draft_dir)))
     problems += more[0]
@@ -306,7 +306,7 @@ def _engine_verdicts(cfg: dict, fmt: str, family: str, n_layers: int, versions: 
     engines = {}
     for engine in sorted(SERVING):  # sglang, then vllm
         version = versions.get(engine) or conv.installed_version(engine) or conv.KNOWN_VERSIONS[engine]
-        engine_cfg = _vllm_view(cfg, fmt) if engine == "vllm" else cfg
+        engine_cfg = vllm_view(cfg, fmt) if engine == "vllm" else cfg
         engines[engine] = _engine_view(engine, version, engine_cfg, family, n_layers)
     _mark_unserved(cfg, engines, notes)
     loading = [v for v in engines.values() if v.loads]

@@ -1,0 +1,128 @@
+"""`eaglepipe diagnose`: a tiny draft trained on h[2, 3, 4] is found trained there, whatever its folder says.
+
+Target: a random 5-layer Llama with peaked next-token distributions; draft: 30 epochs on 400 tiny conversations
+(their own answers, no regeneration), exported for vLLM; diagnosis on 32 of those conversations' assistant turns.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglepipe.cli import main
+from eaglepipe.contract import draft_config
+from eaglepipe.data.extract import extract
+from eaglepipe.data.prompts import write_jsonl
+from eaglepipe.params import ExtractParams, TrainParams
+from eaglepipe.serving.diagnose import diagnose
+from eaglepipe.serving.export import export_all
+from eaglepipe.target.info import read_info
+from eaglepipe.target.tiny import tiny_conversations, tiny_tokenizer
+from eaglepipe.train.loop import train_drafter
+
+TRAINED = [2, 3, 4]
+CONVS = tiny_conversations(400)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(target folder, the vLLM export of a draft trained on h[2, 3, 4])."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("diagnose")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    target = root / "target"
+    LlamaForCausalLM(cfg).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    p = ExtractParams(engine="hf", regenerate=False, batch_size=8, shard_size=64, dtype="float32", store="features")
+    extract(CONVS, target, read_info(target), TRAINED, p, root / "features", root / "scratch", "h", gate_samples=2)
+    tp = TrainParams(draft_vocab_size=64, ttt_steps=3, step_decay=0.8, epochs=30, lr=3e-3, warmup_steps=5,
+                     batch_tokens=512, grad_accum=1, grad_clip=1.0, eval_fraction=0.1, checkpoint_every=1000, seed=0)
+    train_drafter(root / "features", target, root / "drafter", tp, scratch_dir=root / "s")
+    export_all(root / "drafter", target, root / "export", TRAINED, "vllm")
+    return target, root / "export" / "vllm"
+
+
+def _rewrite(src, dst, edit, rename=None, extra=None):
+    """A copy of the folder ``src`` with its config edited by ``edit(cfg)`` and its tensors renamed / added."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(edit(cfg)))
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors = {(rename(k) if rename else k): v for k, v in tensors.items()} | (extra or {})
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _planted(cfg):
+    """No lineage block; vLLM's and SGLang's ids each read as h[3, 4, 5]."""
+    cfg.pop("eaglepipe")
+    cfg[draft_config.TOP_FIELD] = [3, 4, 5]
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}
+    return cfg
+
+
+def _no_ids(cfg):
+    for key in ("eaglepipe", "eagle_config", draft_config.TOP_FIELD):
+        cfg.pop(key, None)
+    return cfg
+
+
+def _speculators(cfg):
+    """speculators' own format: llama fields in transformer_layer_config, the flags it trains with stated."""
+    llama = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                 "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size")}
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 64,
+            "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
+            "transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 1, **llama},
+            "norm_before_fc": True, "norm_output": True, "norm_before_residual": False,
+            draft_config.TOP_FIELD: [1, 2, 3]}
+
+
+def _check(d, vllm_right):
+    assert d.trained_on == TRAINED, d.verdict
+    assert d.margin >= d.threshold > 0 and d.candidates[0].acceptance > 0.3
+    assert d.engines["vllm"]["ids"] == TRAINED and d.engines["vllm"]["right"] is vllm_right
+
+
+def test_the_exported_draft_is_found_trained_on_its_stated_boundaries(trained):
+    target, export = trained
+    d = diagnose(export, target, CONVS, 32, text="conversation")
+    _check(d, vllm_right=True)
+    assert d.engines["sglang"] == {**d.engines["sglang"], "ids": [1, 2, 3], "right": True} and d.ok
+    assert len(d.candidates) == 20  # every ascending triple of h[0..5]
+
+
+def test_ids_planted_one_off_are_named_and_the_right_ones_written(trained, tmp_path, capsys):
+    target, export = trained
+    folder = _rewrite(export, tmp_path / "planted", _planted)
+    d = diagnose(folder, target, CONVS, 32, text="conversation")
+    _check(d, vllm_right=False)
+    assert d.engines["vllm"]["feeds"] == [3, 4, 5] and d.engines["sglang"]["ids"] == [1, 2, 3] and not d.ok
+    write_jsonl(tmp_path / "convs.jsonl", CONVS[:32])
+    rc = main(["diagnose", str(folder), "--target", str(target), "--prompts", str(tmp_path / "convs.jsonl"),
+               "--prompts-n", "32", "--text", "conversation"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "trained on h[2, 3, 4]" in out
+    assert "vllm 0.32.0: WRONG, feeds h[3, 4, 5]; its config needs eagle_aux_hidden_state_layer_ids = [2, 3, 4]" in out
+
+
+def test_a_folder_without_ids_is_searched(trained, tmp_path):
+    target, export = trained
+    d = diagnose(_rewrite(export, tmp_path / "bare", _no_ids), target, CONVS, 32, text="conversation")
+    _check(d, vllm_right=False)
+
+
+def test_a_speculators_folder_is_read_in_its_own_names(trained, tmp_path):
+    target, export = trained
+    folder = _rewrite(export, tmp_path / "spec", _speculators, rename=lambda k: k.replace("midlayer.", "layers.0."),
+                      extra={"embed_tokens.weight": torch.zeros(99, 32)})
+    d = diagnose(folder, target, CONVS, 32, text="conversation")
+    assert d.draft_format == "speculators" and "sglang" in d.engines
+    _check(d, vllm_right=False)
+    assert d.engines["vllm"]["feeds"] == [1, 2, 3]
