@@ -66,21 +66,68 @@ def _add_diagnose(sub) -> None:
     p.set_defaults(run=_run_diagnose)
 
 
+def _records(source: str) -> list[dict]:
+    """Conversation records of ``--prompts``: MT-bench's first turns, a file of OpenAI-``messages`` records taken as
+    they are (a first user turn is all a prompt needs: eaglepipe's data/prompts/eval.jsonl), else conversations
+    normalized as the prompts stage does."""
+    from eaglepipe.data.prompts import load_conversations, mtbench_first_turns, read_raw
+
+    if source == "mtbench":
+        return mtbench_first_turns()
+    raw = read_raw(source).records
+    if raw and all(isinstance(r, dict) and isinstance(r.get("messages"), list) for r in raw):
+        return [{"id": str(r.get("id", i)), "source": r.get("source", ""), "messages": r["messages"]}
+                for i, r in enumerate(raw)]
+    read = load_conversations(source, 0, 1, 1_000_000)
+    if not read.records:
+        raise EaglepipeError(f"{source}: no usable conversation (skipped: {dict(read.skipped)})")
+    return read.records
+
+
 def _run_diagnose(args) -> int:
-    from eaglepipe.data.prompts import load_conversations, mtbench_first_turns
     from eaglepipe.serving.diagnose import diagnose, format_diagnosis
 
-    if args.prompts == "mtbench":
-        records = mtbench_first_turns()
-    else:
-        read = load_conversations(args.prompts, 0, 1, 1_000_000)
-        records = read.records
-        if not records:
-            raise EaglepipeError(f"{args.prompts}: no usable conversation (skipped: {dict(read.skipped)})")
+    records = _records(args.prompts)
     d = diagnose(args.draft_dir, args.target, records, args.prompts_n, args.max_new, not args.no_search,
                  text=args.text)
     print(json.dumps(d.to_json(), indent=2) if args.json else format_diagnosis(d))
     return 0 if d.ok else 1
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="a running vLLM server's acceptance, from its own metrics, against the τ the draft should reach",
+        description="Send prompts (token ids, greedy, all at once) to a running `vllm serve ... --speculative-config` "
+        "over its OpenAI API, read its spec-decode counters from /metrics before and after, and print the served τ "
+        "and acceptance per position; with --expect, name a server accepting less than half the expected drafted "
+        "tokens per step, with the likely causes. Exit 0 unless it accepts far less (1).",
+    )
+    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("--target", required=True, help="target HF folder (its tokenizer renders the prompts)")
+    p.add_argument("--prompts", default="mtbench", help="conversations (.json/.jsonl) or 'mtbench' (default); "
+                   "serve_eval's own: data/prompts/eval.jsonl")
+    p.add_argument("--prompts-n", type=int, default=16, help="first user turns sent (default 16, as serve.prompts)")
+    p.add_argument("--max-new", type=int, default=64, help="tokens per completion (default 64, as serve_eval)")
+    p.add_argument("--concurrency", type=int, help="requests at a time (default: all at once; serve_eval's "
+                   "serve.batch_sizes)")
+    p.add_argument("--expect", help="expected τ: serve_eval's report/metrics JSON (metrics/serve_eval.json), or a "
+                   "number")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=_run_probe)
+
+
+def _run_probe(args) -> int:
+    from transformers import AutoTokenizer
+
+    from eaglepipe.serving.evaluate import eval_prompts
+    from eaglepipe.serving.probe import expected_tau, format_probe, probe
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    prompts = [q["input_ids"] for q in eval_prompts(tok, _records(args.prompts), args.prompts_n)]
+    r = probe(args.url, prompts, args.max_new, expected_tau(args.expect) if args.expect else None, args.concurrency)
+    print(json.dumps(r, indent=2) if args.json else format_probe(r))
+    return 1 if r["verdict"] == "accepts far less" else 0
 
 
 # An argument ``dvc exp run`` refuses (unrecognized), printed in place of the arguments when the profile is bad:
@@ -125,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
     _add_diagnose(sub)
+    _add_probe(sub)
     _add_profile(sub)
     return parser
 
