@@ -19,7 +19,7 @@ from eaglepipe.params import ExtractParams, TrainParams
 from eaglepipe.serving.diagnose import diagnose
 from eaglepipe.serving.export import export_all
 from eaglepipe.target.info import read_info
-from eaglepipe.target.tiny import tiny_conversations, tiny_tokenizer
+from eaglepipe.target.tiny import build, tiny_conversations
 from eaglepipe.train.loop import train_drafter
 
 TRAINED = [2, 3, 4]
@@ -29,16 +29,10 @@ CONVS = tiny_conversations(400)
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(target folder, the vLLM export of a draft trained on h[2, 3, 4])."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("diagnose")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=99, max_position_embeddings=256, initializer_range=0.3,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    target = root / "target"
-    LlamaForCausalLM(cfg).save_pretrained(target)
-    tiny_tokenizer().save_pretrained(target)
+    target = build("llama", root / "target", hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                   initializer_range=0.3)  # peaked next-token distributions
     p = ExtractParams(engine="hf", regenerate=False, batch_size=8, shard_size=64, dtype="float32", store="features")
     extract(CONVS, target, read_info(target), TRAINED, p, root / "features", root / "scratch", "h", gate_samples=2)
     tp = TrainParams(draft_vocab_size=64, ttt_steps=3, step_decay=0.8, epochs=30, lr=3e-3, warmup_steps=5,

@@ -252,8 +252,8 @@ def diagnose(draft_dir: str | Path, target_dir: str | Path, records: list[dict],
 def format_diagnosis(d: Diagnosis, top: int = 8) -> str:
     """The human-readable report: the best sets, the verdict, each engine's feed and the ids it needs."""
     pos = d.candidates[0].positions if d.candidates else 0
-    lines = [f"draft {d.draft_dir} ({d.draft_format}), target N = {d.n_layers}: {d.prompts} prompts, {pos} "
-             f"positions, {len(d.candidates)} boundary sets tried",
+    lines = [(f"draft {d.draft_dir} ({d.draft_format}), target N = {d.n_layers}: {d.prompts} prompts, {pos} "
+             f"positions, {len(d.candidates)} boundary sets tried"),
              "acceptance at draft position 1, teacher-forced on "
              + ("the target's greedy continuations:" if d.text == "greedy" else "the conversations' assistant turns:")]
     lines += [f"  h{c.boundaries}  {c.acceptance:.3f}  {'; '.join(c.why)}" for c in d.candidates[:top]]

@@ -30,10 +30,10 @@ _SAMPLE = re.compile(r'^(vllm:spec_decode_num_\w+?)(?:_total)?(?:\{([^}]*)\})?\s
 _NAMES = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
           "vllm:spec_decode_num_accepted_tokens": "accepted"}
 CAUSES = (
-    "ids: the server feeds other boundaries than the draft was trained on "
-    "(`eaglepipe inspect DRAFT --target T`, `eaglepipe diagnose DRAFT --target T`)",
-    "numerics: a quantized target or another dtype computes other states than training read (the gate's numerics "
-    "verdict, metrics/offsets.json; serve.quantization / serve.engine_dtype)",
+    ("ids: the server feeds other boundaries than the draft was trained on "
+     "(`eaglepipe inspect DRAFT --target T`, `eaglepipe diagnose DRAFT --target T`)"),
+    ("numerics: a quantized target or another dtype computes other states than training read (the gate's numerics "
+     "verdict, metrics/offsets.json; serve.quantization / serve.engine_dtype)"),
     "template: requests rendered with another chat template or system prompt than the training data",
 )
 
@@ -129,8 +129,8 @@ def expected_tau(path: str) -> float:
 def format_probe(r: dict) -> str:
     """The human-readable result."""
     acc = " / ".join(f"{a:.3f}" for a in r["acceptance_per_pos"])
-    lines = [f"{r['url']} ({r['model']}): {r['prompts']} prompts, {r['completion_tokens']} tokens, "
-             f"{r['drafts']} drafts of k = {r['k']}",
+    lines = [(f"{r['url']} ({r['model']}): {r['prompts']} prompts, {r['completion_tokens']} tokens, "
+             f"{r['drafts']} drafts of k = {r['k']}"),
              f"served τ {r['tau']:.4f}, acceptance per position {acc}"]
     if r["expect_tau"] is not None:
         lines.append(f"expected τ {r['expect_tau']:.4f}: {r['verdict']}")
