@@ -84,7 +84,8 @@ def test_a_served_export_accepts_what_serve_eval_measured(tmp_path, capsys):
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_up(url, proc)
-        rc = main(["probe", url, "--target", str(cwd / "data/target"), "--prompts", str(cwd / "data/prompts/eval.jsonl"),
+        rc = main(["probe", url, "--target", str(cwd / "data/target"),
+                   "--prompts", str(cwd / "data/prompts/eval.jsonl"),
                    "--prompts-n", str(served["prompts"]), "--max-new", str(served["max_new_tokens"]),
                    "--expect", str(cwd / "reports/serve_eval.json"), "--json"])
     finally:

@@ -196,14 +196,54 @@ def engine_needs(report: Report, trained: list[int]) -> dict[str, dict]:
     return out
 
 
+def judge(ranked: list[Candidate]) -> tuple[list[int] | None, float, float, str]:
+    """Scored sets, best first → (the trained set or None, margin over the next, the margin needed, verdict)."""
+    best, nxt = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+    margin = best.acceptance - (nxt.acceptance if nxt else 0.0)
+    threshold = Z * math.sqrt(best.acceptance * (1 - best.acceptance) / max(best.positions, 1))
+    if best.acceptance < MIN_ACCEPTANCE:
+        return None, margin, threshold, (
+            f"cannot tell: the draft accepts {best.acceptance:.3f} at best, under every set tried: it does not fit "
+            "this target (another target, or weights that do not load as written)")
+    if nxt is None:
+        return None, margin, threshold, f"cannot tell: only h{best.boundaries} was tried (search it)"
+    if margin < threshold or margin <= 0:
+        return None, margin, threshold, (
+            f"cannot tell: h{best.boundaries} leads h{nxt.boundaries} by {margin:.3f}, under {Z:g} standard errors "
+            f"({threshold:.3f}); give more prompts (--prompts-n) or longer continuations")
+    verdict = f"trained on h{best.boundaries}: ahead of h{nxt.boundaries} by {margin:.3f}"
+    return best.boundaries, margin, threshold, verdict
+
+
+def score_sets(scorer: Scorer, draft, report: Report, search: bool) -> list[Candidate]:
+    """The draft scored under :func:`starting_sets`, then every ascending set on a small target (≤
+    :data:`EXHAUSTIVE`) or :func:`ascend` from the best → the candidates, best first."""
+    n, a = report.n_layers, draft.cfg.n_aux
+    scored: dict[tuple[int, ...], Candidate] = {}
+
+    def evaluate(b: tuple[int, ...], why: list[str]) -> None:
+        scored[b] = Candidate(list(b), why, *scorer.score(draft, list(b)))
+
+    for b, why in starting_sets(report, a).items():
+        evaluate(b, why)
+    if search and math.comb(n + 1, a) <= EXHAUSTIVE:
+        for b in itertools.combinations(range(n + 1), a):
+            if b not in scored:
+                evaluate(b, ["search"])
+    elif search:
+        spread = tuple(round(n * (i + 1) / (a + 1)) for i in range(a))
+        ascend(scored, max(scored, key=lambda b: scored[b].accepted) if scored else spread, n, evaluate)
+    return sorted(scored.values(), key=lambda c: -c.accepted)
+
+
 def diagnose(draft_dir: str | Path, target_dir: str | Path, records: list[dict], n_prompts: int = 8,
              max_new_tokens: int = 64, search: bool = True, versions: dict[str, str] | None = None,
              text: str = "greedy") -> Diagnosis:
     """Score the draft at ``draft_dir`` on the target at ``target_dir`` (an HF folder) under candidate boundary sets
     (module docstring), on the first user turns of ``records`` (eaglepipe conversation records), ``n_prompts`` of
-    them, ``max_new_tokens`` greedy tokens each; ``text`` "conversation": their own turns as rendered for training
-    (what a draft trained on that data without regeneration saw), no generation. Raises EaglepipeError for what :func:`inspect_draft` and
-    :func:`load_draft_folder` refuse."""
+    them, ``max_new_tokens`` greedy tokens each; ``text`` "conversation": their own assistant turns as rendered for
+    training, no generation. Raises EaglepipeError for what :func:`inspect_draft` and :func:`load_draft_folder`
+    refuse."""
     from transformers import AutoTokenizer
 
     report = inspect_draft(draft_dir, target_dir, versions)
@@ -215,37 +255,10 @@ def diagnose(draft_dir: str | Path, target_dir: str | Path, records: list[dict],
         scorer = Scorer(model, greedy_sequences(model, eos_ids, prompts, max_new_tokens))
     else:
         scorer = Scorer(model, conversation_sequences(tok, records, n_prompts))
-    scored: dict[tuple[int, ...], Candidate] = {}
-
-    def evaluate(b: tuple[int, ...], why: list[str]) -> None:
-        scored[b] = Candidate(list(b), why, *scorer.score(draft, list(b)))
-
-    for b, why in starting_sets(report, draft.cfg.n_aux).items():
-        evaluate(b, why)
-    if search and math.comb(report.n_layers + 1, draft.cfg.n_aux) <= EXHAUSTIVE:
-        for b in itertools.combinations(range(report.n_layers + 1), draft.cfg.n_aux):
-            if b not in scored:
-                evaluate(b, ["search"])
-    elif search:
-        n, a = report.n_layers, draft.cfg.n_aux
-        first = max(scored, key=lambda b: scored[b].accepted) if scored else tuple(round(n * (i + 1) / (a + 1))
-                                                                                   for i in range(a))
-        ascend(scored, first, n, evaluate)
-    ranked = sorted(scored.values(), key=lambda c: -c.accepted)
-    best, nxt = ranked[0], (ranked[1] if len(ranked) > 1 else None)
-    margin = best.acceptance - (nxt.acceptance if nxt else 0.0)
-    threshold = Z * math.sqrt(best.acceptance * (1 - best.acceptance) / max(best.positions, 1))
-    if best.acceptance < MIN_ACCEPTANCE:
-        verdict = (f"cannot tell: the draft accepts {best.acceptance:.3f} at best, under every set tried: it does "
-                   "not fit this target (another target, or weights that do not load as written)")
-    elif margin < threshold or margin <= 0:
-        verdict = (f"cannot tell: h{best.boundaries} leads h{nxt.boundaries} by {margin:.3f}, under {Z:g} standard "
-                   f"errors ({threshold:.3f}); give more prompts (--prompts-n) or longer continuations")
-    else:
-        verdict = f"trained on h{best.boundaries}: ahead of h{nxt.boundaries if nxt else '?'} by {margin:.3f}"
-    trained = best.boundaries if verdict.startswith("trained") else None
-    return Diagnosis(str(draft_dir), report.draft_format, report.n_layers, len(scorer.seqs), text, ranked, trained, margin,
-                     threshold, verdict, engine_needs(report, trained) if trained else {},
+    ranked = score_sets(scorer, draft, report, search)
+    trained, margin, threshold, verdict = judge(ranked)
+    return Diagnosis(str(draft_dir), report.draft_format, report.n_layers, len(scorer.seqs), text, ranked, trained,
+                     margin, threshold, verdict, engine_needs(report, trained) if trained else {},
                      report.problems + [p for v in report.engines.values() for p in v.problems if v.loads])
 
 
