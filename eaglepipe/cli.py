@@ -66,28 +66,11 @@ def _add_diagnose(sub) -> None:
     p.set_defaults(run=_run_diagnose)
 
 
-def _records(source: str) -> list[dict]:
-    """Conversation records of ``--prompts``: MT-bench's first turns, a file of OpenAI-``messages`` records taken as
-    they are (a first user turn is all a prompt needs: eaglepipe's data/prompts/eval.jsonl), else conversations
-    normalized as the prompts stage does."""
-    from eaglepipe.data.prompts import load_conversations, mtbench_first_turns, read_raw
-
-    if source == "mtbench":
-        return mtbench_first_turns()
-    raw = read_raw(source).records
-    if raw and all(isinstance(r, dict) and isinstance(r.get("messages"), list) for r in raw):
-        return [{"id": str(r.get("id", i)), "source": r.get("source", ""), "messages": r["messages"]}
-                for i, r in enumerate(raw)]
-    read = load_conversations(source, 0, 1, 1_000_000)
-    if not read.records:
-        raise EaglepipeError(f"{source}: no usable conversation (skipped: {dict(read.skipped)})")
-    return read.records
-
-
 def _run_diagnose(args) -> int:
+    from eaglepipe.data.prompts import prompt_records
     from eaglepipe.serving.diagnose import diagnose, format_diagnosis
 
-    records = _records(args.prompts)
+    records = prompt_records(args.prompts)
     d = diagnose(args.draft_dir, args.target, records, args.prompts_n, args.max_new, not args.no_search,
                  text=args.text)
     print(json.dumps(d.to_json(), indent=2) if args.json else format_diagnosis(d))
@@ -120,11 +103,12 @@ def _add_probe(sub) -> None:
 def _run_probe(args) -> int:
     from transformers import AutoTokenizer
 
+    from eaglepipe.data.prompts import prompt_records
     from eaglepipe.serving.evaluate import eval_prompts
     from eaglepipe.serving.probe import expected_tau, format_probe, probe
 
     tok = AutoTokenizer.from_pretrained(args.target)
-    prompts = [q["input_ids"] for q in eval_prompts(tok, _records(args.prompts), args.prompts_n)]
+    prompts = [q["input_ids"] for q in eval_prompts(tok, prompt_records(args.prompts), args.prompts_n)]
     r = probe(args.url, prompts, args.max_new, expected_tau(args.expect) if args.expect else None, args.concurrency)
     print(json.dumps(r, indent=2) if args.json else format_probe(r))
     return 1 if r["verdict"] == "accepts far less" else 0

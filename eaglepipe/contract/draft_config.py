@@ -15,6 +15,7 @@ from eaglepipe.errors import ConventionError
 
 NESTED_FIELD = "eagle_config.eagle_aux_hidden_state_layer_ids"
 TOP_FIELD = "eagle_aux_hidden_state_layer_ids"
+ID_FIELDS = {"sglang": NESTED_FIELD, "vllm": TOP_FIELD, "hf": "eaglepipe.aux_boundaries"}  # where each engine reads
 
 
 
@@ -73,9 +74,8 @@ def read_draft_boundaries(
     ids, field = config_ids(config, engine, runner)
     if ids is None:
         if not allow_default:
-            where = {"sglang": NESTED_FIELD, "vllm": TOP_FIELD, "hf": "eaglepipe.aux_boundaries"}[engine]
             raise ConventionError(
-                f"draft config has no {where}: {engine} silently falls back to its default h[2], h[N//2], "
+                f"draft config has no {ID_FIELDS[engine]}: {engine} silently falls back to its default h[2], h[N//2], "
                 f"h[N-3] (one public report went from τ 2.77 to 1.036 this way); write the ids explicitly"
             )
         return convention.default_boundaries(engine, family, n_layers, version)

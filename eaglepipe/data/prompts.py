@@ -311,6 +311,23 @@ def mtbench_first_turns(path: Path | None = None) -> list[dict]:
 HUMANEVAL_ASK = "Complete the following Python function. Reply with the completed code only.\n\n```python\n{prompt}```"
 
 
+def prompt_records(source: str) -> list[dict]:
+    """Records whose first user turns are prompts (``eaglepipe diagnose`` / ``probe``): "mtbench" (its first turns), a
+    file of OpenAI-``messages`` records taken as they are (a user turn is all a prompt needs; data/prompts/eval.jsonl
+    holds MT-bench turns without answers, which :func:`load_conversations` would skip), else conversations
+    normalized as the prompts stage does. Raises ParamsError when none is usable."""
+    if source == "mtbench":
+        return mtbench_first_turns()
+    raw = read_raw(source).records
+    if raw and all(isinstance(r, dict) and isinstance(r.get("messages"), list) for r in raw):
+        return [{"id": str(r.get("id", i)), "source": r.get("source", ""), "messages": r["messages"]}
+                for i, r in enumerate(raw)]
+    read = load_conversations(source, 0, 1, 1_000_000)
+    if not read.records:
+        raise ParamsError(f"{source}: no usable conversation (skipped: {dict(read.skipped)})")
+    return read.records
+
+
 def humaneval_prompts(n: int, path: Path | None = None) -> list[dict]:
     """The first ``n`` HumanEval problems as single-user-message records (``id`` = ``humaneval-<k>``).
 

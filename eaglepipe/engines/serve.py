@@ -120,11 +120,13 @@ def by_batch_size(runs: list[dict], batch_sizes: tuple) -> dict:
 # ------------------------------------------------------------------------------------------------ vLLM
 
 
-_VLLM_COUNTERS = {
+# vllm v1/spec_decode/metrics.py: counter name → our key (also read from /metrics text by serving/probe.py)
+VLLM_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
+VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"  # one counter per draft position (label "position")
 
 
 def spec_counters(llm) -> dict:
@@ -135,9 +137,9 @@ def spec_counters(llm) -> dict:
     """
     counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
     for metric in llm.get_metrics():
-        if metric.name in _VLLM_COUNTERS:
-            counters[_VLLM_COUNTERS[metric.name]] += int(metric.value)
-        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+        if metric.name in VLLM_COUNTERS:
+            counters[VLLM_COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == VLLM_PER_POS:
             counters["per_pos"] = _vadd(counters["per_pos"], [int(v) for v in metric.values])
     return counters
 

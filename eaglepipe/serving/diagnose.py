@@ -21,7 +21,6 @@ of its own acceptance; otherwise "cannot tell".
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,8 +39,6 @@ from eaglepipe.serving.evaluate import eval_prompts, load_reference
 from eaglepipe.serving.specdec import greedy_generate
 from eaglepipe.target.config import read_target_config
 from eaglepipe.target.hf_model import decoder
-
-log = logging.getLogger(__name__)
 
 MIN_ACCEPTANCE = 0.05  # below it under every set, the draft does not fit this target at all
 Z = 3.0  # standard errors the best set must lead the next by
@@ -187,7 +184,7 @@ def engine_needs(report: Report, trained: list[int]) -> dict[str, dict]:
             out[e] = {"version": v.version, "refused": v.refused}
             continue
         row = {"version": v.version, "feeds": v.boundaries, "right": v.boundaries == trained,
-               "field": draft_config.NESTED_FIELD if e == "sglang" else draft_config.TOP_FIELD}
+               "field": draft_config.ID_FIELDS[e]}
         try:
             row["ids"] = conv.engine_ids(e, report.family, trained, report.n_layers, v.version)
         except ConventionError as err:

@@ -21,14 +21,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from eaglepipe.engines.serve import counter_delta, vllm_acceptance
+from eaglepipe.engines.serve import VLLM_COUNTERS, VLLM_PER_POS, counter_delta, vllm_acceptance
 from eaglepipe.errors import EaglepipeError
 
 TIMEOUT_S = 600.0  # one request (a long completion on a slow server)
 FAR_LESS = 0.5  # flagged below this share of the expected accepted tokens per step
 _SAMPLE = re.compile(r'^(vllm:spec_decode_num_\w+?)(?:_total)?(?:\{([^}]*)\})?\s+(\S+)$')
-_NAMES = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-          "vllm:spec_decode_num_accepted_tokens": "accepted"}
 CAUSES = (
     ("ids: the server feeds other boundaries than the draft was trained on "
      "(`eaglepipe inspect DRAFT --target T`, `eaglepipe diagnose DRAFT --target T`)"),
@@ -48,11 +46,11 @@ def parse_counters(text: str) -> dict:
         if not m or m.group(1).endswith("_created"):
             continue
         name, labels, value = m.group(1), m.group(2) or "", int(float(m.group(3)))
-        if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+        if name == VLLM_PER_POS:
             pos = int(re.search(r'position="(\d+)"', labels).group(1))
             per_pos[pos] = per_pos.get(pos, 0) + value
-        elif name in _NAMES:
-            out[_NAMES[name]] += value
+        elif name in VLLM_COUNTERS:
+            out[VLLM_COUNTERS[name]] += value
             seen = True
     if not seen:
         raise EaglepipeError("the server's /metrics has no vllm:spec_decode_* counters: it is no vLLM server "
