@@ -57,6 +57,7 @@ for step in "$@"; do
       mkdir -p /tmp/wheels && cp .gpu/${step#stash-}/*.whl /tmp/wheels/ ;;
     testenv)  # into the image's own site-packages: the tests' subprocesses see them without PYTHONPATH
       python3 -m pip install -q --no-index --no-deps --no-compile --break-system-packages /tmp/wheels/*.whl
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --break-system-packages -e .  # `eaglepipe`
       dvc --version && python3 -c "import transformers, dvclive; print(transformers.__version__)" ;;
     setup)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
