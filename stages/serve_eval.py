@@ -2,7 +2,8 @@
 
 Usage: python stages/serve_eval.py TARGET_DIR DRAFTER_DIR EXPORT_DIR EVAL_JSONL METRICS_JSON REPORT_JSON ACC_CSV
 Reads params `layers`, `framework`, `serve`, `extract.thinking` (other than "template": every prompt once with
-thinking on and once off; the reference decoder's τ per mode, and inside the reasoning and the answer apart).
+thinking on and once off; τ per mode by the reference decoder and the engine, and the reference's inside the
+reasoning and the answer apart: an engine's counters cannot tell which tokens were reasoning).
 Writes REPORT_JSON (per engine τ, acceptance per draft position, tokens/s with and without the draft, what
 produced them) and METRICS_JSON (the few figures `dvc exp show` compares) and ACC_CSV (acceptance per draft
 position and engine, a `dvc plots` bar chart). Exits 1, after writing both, when an engine's τ is below
@@ -34,19 +35,27 @@ from eaglepipe.stage import require_inputs, run, start, write_metrics
 from eaglepipe.target.reasoning import template_text, thinking_switch
 
 
-def serve_engine(framework: str, target_dir: Path, export_dir: Path, ids: list, s, tp: int = 1,
+def serve_engine(framework: str, target_dir: Path, export_dir: Path, prompts: list[dict], s, tp: int = 1,
                  ep: bool = False) -> dict | None:
     """The real engine's served result (None for `hf`; a recorded skip where it cannot serve here, e.g. SGLang
-    without CUDA: recorded, not faked); ``tp``, ``ep``: params tensor_parallel_size, expert_parallel."""
+    without CUDA: recorded, not faked); ``tp``, ``ep``: params tensor_parallel_size, expert_parallel. Prompts
+    with a thinking mode are also served mode by mode: ``by_thinking`` {"on" / "off": τ, acceptance}."""
     if framework not in SERVING:
         return None
+    modes = {}
+    for i, q in enumerate(prompts):
+        if q["thinking"] is not None:
+            modes.setdefault("on" if q["thinking"] else "off", []).append(i)
     try:
         opts = {"quantization": s.quantization} if s.quantization else {}  # the target's; the draft stays as is
-        return serve_eagle3(framework, target_dir, export_dir / framework, ids, s.k, s.max_new_tokens,
-                            batch_sizes=tuple(s.batch_sizes), dtype=s.engine_dtype, tensor_parallel_size=tp,
-                            expert_parallel=ep, **opts)
+        res = serve_eagle3(framework, target_dir, export_dir / framework, [q["input_ids"] for q in prompts], s.k,
+                           s.max_new_tokens, batch_sizes=tuple(s.batch_sizes), subsets=modes or None,
+                           dtype=s.engine_dtype, tensor_parallel_size=tp, expert_parallel=ep, **opts)
     except ServingUnavailable as e:
         return {"skipped": str(e)}
+    if "by_subset" in res:
+        res["by_thinking"] = res.pop("by_subset")
+    return res
 
 
 def main():
@@ -61,8 +70,7 @@ def main():
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],
            "params": {"layers": p.layers, "framework": p.framework, "serve": s.model_dump()}}
     out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens, tok=tok)
-    res = serve_engine(p.framework, target_dir, export_dir, [q["input_ids"] for q in prompts], s,
-                       p.tensor_parallel_size, p.expert_parallel)
+    res = serve_engine(p.framework, target_dir, export_dir, prompts, s, p.tensor_parallel_size, p.expert_parallel)
     if res is not None:
         res = {k: v for k, v in res.items() if not k.startswith("outputs_") or k == "outputs_equal"}
         out[p.framework] = {"engine": p.framework, "engine_version": engine_version(p.framework),

@@ -205,3 +205,9 @@ def test_dvc_repro_mixes_thinking_50_50_and_serve_eval_gives_each_mode(tmp_path,
     served = json.loads((cwd / "metrics/serve_eval.json").read_text())
     assert set(served["reference"]["thinking"]) == {"on", "off"} and served["vllm"]["tau"] >= 1.0
     assert report["vllm"]["outputs_equal"]
+    vllm = report["vllm"]["by_thinking"]  # each mode served on its own: its own counters
+    print(json.dumps({"reference": {m: v["tau"] for m, v in by.items()}, "vllm": vllm}))
+    assert vllm["on"]["drafts"] + vllm["off"]["drafts"] == report["vllm"]["drafts"]
+    for mode in ("on", "off"):
+        assert vllm[mode]["outputs_equal"] and vllm[mode]["tau"] == pytest.approx(by[mode]["tau"], abs=0.02)
+    assert set(served["vllm"]["thinking"]["on"]) == {"tau"}  # no reasoning / answer split from counters

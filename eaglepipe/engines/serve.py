@@ -29,7 +29,8 @@ _PER_BATCH = ("tau", "acceptance_per_pos", "tokens_per_s_draft", "tokens_per_s_p
 
 def serve_eagle3(
     name: str, target_dir: str | Path, draft_dir: str | Path, prompts: list[list[int]], k: int,
-    max_new_tokens: int, engine=None, batch_sizes: tuple = (None,), **engine_opts,
+    max_new_tokens: int, engine=None, batch_sizes: tuple = (None,), subsets: dict[str, list[int]] | None = None,
+    **engine_opts,
 ) -> dict:
     """Serve ``draft_dir`` with engine ``name``'s EAGLE-3 (k drafted tokens per step) and the target without it.
 
@@ -39,6 +40,8 @@ def serve_eagle3(
             max_total_tokens), closed at the end.
         batch_sizes: concurrency levels to time, each on the same two instances; the top-level figures are
             those of the first.
+        subsets: {name: indices into ``prompts``}: each subset also served on its own with the draft (all at
+            once), for its own τ (the counters are engine-wide, so a subset's figures need a run of their own).
     Returns:
         :func:`measure`'s dict.
     Raises:
@@ -49,28 +52,37 @@ def serve_eagle3(
     own = engine is None
     engine = engine or get_engine(name, target_dir, **engine_opts)
     try:
-        return measure(engine, draft_dir, prompts, k, max_new_tokens, batch_sizes)
+        return measure(engine, draft_dir, prompts, k, max_new_tokens, batch_sizes, subsets)
     finally:
         if own:
             engine.close()
 
 
 def measure(engine, draft_dir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
-            batch_sizes: tuple = (None,)) -> dict:
+            batch_sizes: tuple = (None,), subsets: dict[str, list[int]] | None = None) -> dict:
     """Time the drafted and the plain instance of ``engine`` at each batch size; one result (:func:`by_batch_size`).
 
     Returns a dict with k, tau, acceptance_per_pos, the engine's own counters (vLLM: drafts, draft_tokens,
     accepted_tokens; SGLang: tau_sglang_accept_length, accept_rate, verify_steps, histogram_steps),
     tokens_per_s_draft, tokens_per_s_plain, speedup, startup_s_draft, startup_s_plain, outputs_draft,
-    outputs_plain, outputs_equal, prompts, max_new_tokens, engine_version, and ``by_batch_size`` ({str(bs):
-    the τ / speed / equality figures at that batch size}) when more than one batch size is timed.
+    outputs_plain, outputs_equal, prompts, max_new_tokens, engine_version, ``by_batch_size`` ({str(bs):
+    the τ / speed / equality figures at that batch size}) when more than one batch size is timed, and
+    ``by_subset`` ({name: τ, acceptance_per_pos, the counters, outputs_equal}) for each of ``subsets``, whose
+    drafted outputs must equal the plain outputs of the same prompts for ``outputs_equal`` to stay true.
     """
     drafted = engine.eagle3_args(draft_dir, k)  # raises ServingUnavailable before any instance starts
     draft = [engine.generate_timed(prompts, max_new_tokens, batch_size=b, **drafted) for b in batch_sizes]
+    parts = {name: engine.generate_timed([prompts[i] for i in idx], max_new_tokens, **drafted)
+             for name, idx in (subsets or {}).items()}  # before the plain runs: one switch of instance
     plain = [engine.generate_timed(prompts, max_new_tokens, batch_size=b) for b in batch_sizes]
     runs = [{**serve_summary(k, len(prompts), max_new_tokens, drafted_run, plain_run, engine.version),
              **engine.spec_figures(drafted_run, k)} for drafted_run, plain_run in zip(draft, plain)]
-    return by_batch_size(runs, batch_sizes)
+    out = by_batch_size(runs, batch_sizes)
+    if parts:
+        out["by_subset"] = {name: {**engine.spec_figures(run, k), "outputs_equal": run["outputs"] == [
+            plain[0]["outputs"][i] for i in subsets[name]]} for name, run in parts.items()}
+        out["outputs_equal"] = out["outputs_equal"] and all(r["outputs_equal"] for r in out["by_subset"].values())
+    return out
 
 
 def serve_summary(k: int, n_prompts: int, max_new_tokens: int, draft: dict, plain: dict, version: str) -> dict:

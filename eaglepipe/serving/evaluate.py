@@ -234,6 +234,7 @@ def compact_serve_metrics(report: dict) -> dict:
 
 
 def _thinking_taus(by_thinking: dict) -> dict:
-    """{mode: {"tau", "reasoning", "answer"}}: the τ of a ``by_thinking`` result (:func:`reference_eval`)."""
-    return {m: {"tau": round(v["tau"], 4), **{r: round(v[r]["tau"], 4) for r in ("reasoning", "answer")}}
+    """{mode: {"tau", "reasoning", "answer"}}: the τ of a ``by_thinking`` result (:func:`reference_eval`; an
+    engine's has no "reasoning" / "answer": its counters are per run, not per token)."""
+    return {m: {"tau": round(v["tau"], 4), **{r: round(v[r]["tau"], 4) for r in ("reasoning", "answer") if r in v}}
             for m, v in by_thinking.items()}
