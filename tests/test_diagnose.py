@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglepipe.cli import main
-from eaglepipe.contract import convention as conv
 from eaglepipe.contract import draft_config
 from eaglepipe.data.extract import extract
 from eaglepipe.data.prompts import write_jsonl
@@ -104,7 +103,7 @@ def test_ids_planted_one_off_are_named_and_the_right_ones_written(trained, tmp_p
                "--prompts-n", "32", "--text", "conversation"])
     out = capsys.readouterr().out
     assert rc == 1 and "trained on h[2, 3, 4]" in out
-    vllm = conv.installed_version("vllm") or conv.KNOWN_VERSIONS["vllm"]  # the version inspect applies
+    vllm = d.engines["vllm"]["version"]  # the installed one, else the newest read (no vLLM: 0.33.0)
     assert f"vllm {vllm}: WRONG, feeds h[3, 4, 5]; its config needs eagle_aux_hidden_state_layer_ids = [2, 3, 4]" in out
 
 
