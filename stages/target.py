@@ -4,12 +4,13 @@ Usage: python stages/target.py OUT_DIR METRICS_JSON
 Reads params `target`, `extract.engine` (a pre-quantized target is refused here where the hf engine would
 capture it, offline or online), `extract.engine` and `framework` (a target one of the engines they name cannot
 capture is refused here, naming the engine file: eaglepipe/target/capture_check.py) and `tensor_parallel_size`
-(on a GPU, weights that cannot fit at that size are refused here, naming the size that fits),
+(on a GPU, weights that cannot fit at that size are refused here, naming the size that fits; a pre-quantized
+scheme the engine has no kernel for on this machine is refused here: eaglepipe/target/checkpoint_quant.py),
 `extract.thinking` (a chat template without a thinking switch is refused here: eaglepipe/target/reasoning.py) and
 `expert_parallel` (a dense target, or an engine without it on this device, is refused here:
 eaglepipe/target/info.py require_expert_parallel); writes OUT_DIR
 (config, tokenizer + chat template, the weights linked or a GGUF dequantized) and METRICS_JSON (N, hidden size,
-vocab, dtype, content hash). A local folder is checked whole first (eaglepipe/target/folder_check.py: weight files
+vocab, dtype, content hash, and a pre-quantized folder's scheme as ``quantization``). A local folder is checked whole first (eaglepipe/target/folder_check.py: weight files
 and their headers, tensor names, tokenizer and chat template or `target.chat_template`, generation config).
 """
 
@@ -23,6 +24,7 @@ import torch
 from eaglepipe.errors import ParamsError
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target.capture_check import capture_uses, require_capturable
+from eaglepipe.target.checkpoint_quant import checkpoint_scheme, require_runnable
 from eaglepipe.target.folder_check import check_folder, check_tokenizer
 from eaglepipe.target.info import (check_fits, load_config, materialize_target, refuse_hf_on_quantized,
                                    require_expert_parallel, weight_bytes)
@@ -47,8 +49,10 @@ def main():
     p = start("target")
     out_dir, metrics = sys.argv[1:3]
     source, template = Path(p.target.source), p.target.chat_template
+    scheme = checkpoint_scheme(source) if source.is_dir() else None
     if source.is_dir():  # a local HF folder: checked whole before anything is written
         refuse_hf_on_quantized(source, ["extract.engine: hf"] if p.extract.engine == "hf" else [])
+        require_runnable(source, scheme, capture_uses(p.extract.engine, p.framework), not torch.cuda.is_available())
         config = load_config(source)
         check_config(p, config, p.target.source)
         check_folder(source, config, config.get_text_config().vocab_size, template)
@@ -65,7 +69,7 @@ def main():
         except ParamsError:
             shutil.rmtree(out_dir)
             raise
-    write_metrics(metrics, asdict(info))
+    write_metrics(metrics, {**asdict(info), **({"quantization": scheme} if scheme else {})})
 
 
 if __name__ == "__main__":

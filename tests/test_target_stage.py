@@ -72,7 +72,7 @@ def test_a_folder_larger_than_memory_passes_without_loading_its_weights(tmp_path
 def test_a_pre_quantized_folder_is_kept_as_shipped_and_refused_where_hf_would_capture_it(tmp_path):
     src = build("llama", tmp_path / "src")
     raw = json.loads((src / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    raw["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized"}
     (src / "config.json").write_text(json.dumps(raw))
     (tmp_path / "vllm").mkdir()
     ok = _run_stage(tmp_path / "vllm", src, engine="vllm")

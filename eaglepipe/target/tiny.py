@@ -216,6 +216,46 @@ def build_qwen2_5_vl(out: str | Path, seed: int = 0) -> Path:
     return out
 
 
+
+def build_compressed(src: str | Path, out: str | Path, scheme: str = "W8A8", group_size: int = 32) -> Path:
+    """Save the float target folder ``src`` quantized as a compressed-tensors checkpoint at ``out``, as llmcompressor
+    saves one: compressed-tensors' preset ``scheme`` (``W8A8``: int8 channel weights, int8 dynamic token
+    activations; ``FP8_DYNAMIC``; ``W4A16``: int4 weights in groups of ``group_size``) on every Linear but
+    ``lm_head``, weight scales from each channel's (group's) min/max (``calculate_qparams``; dynamic activations
+    need no calibration), compressed by ``ModelCompressor`` and its ``quantization_config`` written to config.json."""
+    import torch
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    qscheme = preset_name_to_scheme(scheme, ["Linear"])
+    if qscheme.weights.strategy == "group":
+        qscheme.weights.group_size = group_size
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": qscheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+        if args is None:
+            continue
+        w = module.weight.data
+        w = {"group": lambda: w.reshape(w.shape[0], -1, args.group_size), "tensor": lambda: w.reshape(1, 1, -1)}.get(
+            args.strategy, lambda: w.unsqueeze(1))()  # (rows, groups, columns a scale covers)
+        scale, zero = calculate_qparams(w.amin(dim=2), w.amax(dim=2), args)  # (out, groups)
+        module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype).reshape(
+                module.weight_zero_point.shape)
+        module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    out = Path(out)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    transformers.AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
 WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
 
 
