@@ -10,8 +10,9 @@ scheme the engine has no kernel for on this machine is refused here: eaglepipe/t
 `expert_parallel` (a dense target, or an engine without it on this device, is refused here:
 eaglepipe/target/info.py require_expert_parallel); writes OUT_DIR
 (config, tokenizer + chat template, the weights linked or a GGUF dequantized) and METRICS_JSON (N, hidden size,
-vocab, dtype, content hash, and a pre-quantized folder's scheme as ``quantization``). A local folder is checked whole first (eaglepipe/target/folder_check.py: weight files
-and their headers, tensor names, tokenizer and chat template or `target.chat_template`, generation config).
+vocab, dtype, content hash, and a pre-quantized folder's scheme as ``quantization``). A local folder is checked
+whole first (eaglepipe/target/folder_check.py: weight files and their headers, tensor names, tokenizer and chat
+template or `target.chat_template`, generation config).
 """
 
 import shutil

@@ -216,7 +216,6 @@ def build_qwen2_5_vl(out: str | Path, seed: int = 0) -> Path:
     return out
 
 
-
 def build_compressed(src: str | Path, out: str | Path, scheme: str = "W8A8", group_size: int = 32) -> Path:
     """Save the float target folder ``src`` quantized as a compressed-tensors checkpoint at ``out``, as llmcompressor
     saves one: compressed-tensors' preset ``scheme`` (``W8A8``: int8 channel weights, int8 dynamic token
@@ -255,6 +254,7 @@ def build_compressed(src: str | Path, out: str | Path, scheme: str = "W8A8", gro
     compressor.update_config(str(out))
     transformers.AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return out
+
 
 WORDS = "the cat sat on a mat while birds sang over quiet hills and rivers ran far away".split()
 
