@@ -50,8 +50,9 @@ def main():
     p = start("target")
     out_dir, metrics = sys.argv[1:3]
     source, template = Path(p.target.source), p.target.chat_template
-    scheme = checkpoint_scheme(source) if source.is_dir() else None
+    scheme = None  # a GGUF is dequantized here: the engines get float weights
     if source.is_dir():  # a local HF folder: checked whole before anything is written
+        scheme = checkpoint_scheme(source)
         refuse_hf_on_quantized(source, ["extract.engine: hf"] if p.extract.engine == "hf" else [])
         require_runnable(source, scheme, capture_uses(p.extract.engine, p.framework), not torch.cuda.is_available())
         config = load_config(source)

@@ -57,19 +57,20 @@ def checkpoint_scheme(folder: str | Path) -> dict | None:
     g = groups[0] if groups else {}
     w, a = g.get("weights") or {}, g.get("input_activations") or {}
     fmt = str(g.get("format") or q.get("format") or q.get("fmt") or "")
-    if w:
-        wname = "FP8" if w.get("type") == "float" and w.get("num_bits") == 8 else f"W{w.get('num_bits')}"
-        name = wname if wname == "FP8" else wname + (f"A{a.get('num_bits')}" if a else "A16")
+    if w.get("type") == "float" and w.get("num_bits") == 8:
+        name = "FP8"
+    elif w:
+        name = f"W{w.get('num_bits')}A{a.get('num_bits', 16)}"
+    elif method in ("gptq", "awq"):
+        name = f"W{q.get('bits', q.get('w_bit', 4))}A16 ({method})"
     else:
-        name = method.upper() if method in ("fp8", "gptq", "awq") else method
-        if method in ("gptq", "awq"):
-            name = f"W{q.get('bits', q.get('w_bit', 4))}A16 ({method})"
+        name = method.upper() if method == "fp8" else method
     return {"method": method, "format": fmt, "weights": _args(w), "activations": _args(a), "name": name}
 
 
 def _needs_wna16(scheme: dict) -> bool:
     """Whether vLLM runs this scheme with its weight-only kernel (CPUWNA16 on a CPU)."""
-    return scheme["method"] in WNA16_METHODS or scheme["format"] in ("pack-quantized", "marlin-24")
+    return scheme["method"] in WNA16_METHODS or scheme["format"] == "pack-quantized"
 
 
 def require_runnable(source: str | Path, scheme: dict | None, engines: dict[str, list[str]], on_cpu: bool) -> None:
