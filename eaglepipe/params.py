@@ -75,9 +75,13 @@ class ExtractParams(_Strict):
     max_new_tokens: int = Field(64, ge=1, description="tokens generated per regenerated assistant turn")
     thinking: Literal["template", "on", "off", "mix"] = Field(
         "template", description="a reasoning target's thinking mode in regeneration and templating, passed as its "
-        "chat template's switch (enable_thinking: Qwen3; thinking: DeepSeek-V3.1, Kimi-K2.5; "
-        "eaglepipe/target/reasoning.py): template = no switch passed (the template's default); on / off; mix = on for "
-        "a seeded thinking_share of the conversations. The target stage refuses a template without a switch")
+        "chat template's switch (enable_thinking: Qwen3; thinking: DeepSeek-V3.1, Kimi-K2.5; gpt-oss's harmony "
+        "format always reasons: on or template; eaglepipe/target/reasoning.py): template = no switch passed (the "
+        "template's default); on / off; mix = on for a seeded thinking_share of the conversations. The target stage "
+        "refuses a template without a switch")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="a harmony (gpt-oss) target's reasoning_effort, passed to its chat template in every mode "
+        "(null: the template's default, medium); the target stage refuses it for other templates")
     thinking_share: float = Field(0.5, ge=0.0, le=1.0, description="thinking: mix: share of the conversations "
                                   "regenerated with thinking on (drawn per conversation from extract.seed and its id)")
     max_thinking_tokens: int = Field(1024, ge=1, description="tokens generated per assistant turn with thinking on "

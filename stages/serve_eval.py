@@ -2,8 +2,9 @@
 
 Usage: python stages/serve_eval.py TARGET_DIR DRAFTER_DIR EXPORT_DIR EVAL_JSONL METRICS_JSON REPORT_JSON ACC_CSV
 Reads params `layers`, `framework`, `serve`, `extract.thinking` (other than "template": every prompt once with
-thinking on and once off; τ per mode by the reference decoder and the engine, and the reference's inside the
-reasoning and the answer apart: an engine's counters cannot tell which tokens were reasoning).
+thinking on and once off, a harmony target's with it on only; τ per mode by the reference decoder and the engine,
+and the reference's inside the reasoning and the answer apart: an engine's counters cannot tell which tokens were
+reasoning), `extract.reasoning_effort`.
 Writes REPORT_JSON (per engine τ, acceptance per draft position, tokens/s with and without the draft, what
 produced them) and METRICS_JSON (the few figures `dvc exp show` compares) and ACC_CSV (acceptance per draft
 position and engine, a `dvc plots` bar chart). Exits 1, after writing both, when an engine's τ is below
@@ -32,7 +33,7 @@ from eaglepipe.serving.evaluate import (
     reference_eval,
 )
 from eaglepipe.stage import require_inputs, run, start, write_metrics
-from eaglepipe.target.reasoning import template_text, thinking_switch
+from eaglepipe.target.reasoning import HARMONY, template_text, thinking_switch
 
 
 def serve_engine(framework: str, target_dir: Path, export_dir: Path, prompts: list[dict], s, tp: int = 1,
@@ -63,10 +64,11 @@ def main():
     target_dir, drafter_dir, export_dir, eval_file, metrics, report_json, acc_csv = map(Path, sys.argv[1:8])
     require_inputs(target_dir, drafter_dir, eval_file, *([export_dir] if p.framework in SERVING else []))
     s = p.serve
-    modes = (None,) if p.extract.thinking == "template" else (True, False)  # a draft for a reasoning target: both
     switch = thinking_switch(template_text(target_dir))
+    # a draft for a reasoning target: both modes, where the template has an off (harmony has none)
+    modes = (None,) if p.extract.thinking == "template" else (True,) if switch == HARMONY else (True, False)
     tok = AutoTokenizer.from_pretrained(target_dir)
-    prompts = eval_prompts(tok, read_jsonl(eval_file), s.prompts, switch, modes)
+    prompts = eval_prompts(tok, read_jsonl(eval_file), s.prompts, switch, modes, p.extract.reasoning_effort)
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],
            "params": {"layers": p.layers, "framework": p.framework, "serve": s.model_dump()}}
     out["reference"] = reference_eval(target_dir, drafter_dir, p.layers, prompts, s.k, s.max_new_tokens, tok=tok)

@@ -58,7 +58,8 @@ def main():
         config = load_config(source)
         check_config(p, config, p.target.source)
         check_folder(source, config, config.get_text_config().vocab_size, template)
-        require_switch(p.extract.thinking, template or template_text(source), p.target.source)
+        require_switch(p.extract.thinking, template or template_text(source), p.target.source,
+                       p.extract.reasoning_effort, p.prompts.max_turns)
         if torch.cuda.is_available():  # on a CPU the engines hold every rank's shard in one host's memory
             check_fits(weight_bytes(source), p.tensor_parallel_size,
                        torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())
@@ -67,7 +68,8 @@ def main():
         try:
             check_config(p, load_config(Path(out_dir)), p.target.source)
             check_tokenizer(Path(out_dir), template)
-            require_switch(p.extract.thinking, template_text(out_dir), p.target.source)
+            require_switch(p.extract.thinking, template_text(out_dir), p.target.source, p.extract.reasoning_effort,
+                           p.prompts.max_turns)
         except ParamsError:
             shutil.rmtree(out_dir)
             raise

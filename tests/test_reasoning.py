@@ -14,7 +14,7 @@ from test_extract import project, run_extract
 from transformers import AutoTokenizer
 
 from eaglepipe.data.features import FeatureSet
-from eaglepipe.data.template import generation_prompt, tokenize_generated
+from eaglepipe.data.template import generation_prompt, tokenize_conversation, tokenize_generated
 from eaglepipe.errors import ParamsError
 from eaglepipe.model.draft import DraftConfig, Eagle3Draft, save_draft
 from eaglepipe.params import load_params
@@ -26,12 +26,15 @@ from eaglepipe.serving.evaluate import (
 )
 from eaglepipe.serving.specdec import split_rounds
 from eaglepipe.target.reasoning import (
+    harmony_message,
     no_switch_reason,
     reasoning_regions,
+    template_kwargs,
+    template_markers,
     thinking_on,
     thinking_switch,
 )
-from eaglepipe.target.tiny import CHATML, DEEPSEEK_V31, QWEN3, build, tiny_tokenizer
+from eaglepipe.target.tiny import CHATML, DEEPSEEK_V31, HARMONY, QWEN3, build, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "hi"}]
@@ -40,8 +43,10 @@ HI = [{"role": "user", "content": "hi"}]
 def test_the_switch_is_the_variable_the_template_reads():
     assert thinking_switch(QWEN3) == "enable_thinking" and thinking_switch(DEEPSEEK_V31) == "thinking"
     assert thinking_switch(CHATML) is None and thinking_switch("{% if %}") is None  # no switch; no parse
-    harmony = "{{ '<|channel|>analysis' if reasoning_effort }}"
-    assert thinking_switch(harmony) is None and "no off switch" in no_switch_reason(harmony)
+    assert thinking_switch(HARMONY) == "reasoning_effort" and "jinja2.meta" in no_switch_reason(CHATML)
+    assert template_kwargs("reasoning_effort", True, "low") == {"reasoning_effort": "low"}
+    assert template_kwargs("reasoning_effort", None) == {} and template_kwargs("thinking", False, "low") == {
+        "thinking": False}
 
 
 def test_mix_draws_each_conversation_from_its_id_and_the_seed():
@@ -76,6 +81,34 @@ def test_qwen3_completion_is_trained_as_written_and_off_mode_masks_the_empty_blo
     off = tokenize_generated(tok, generation_prompt(tok, HI, {"enable_thinking": False}),
                              tok("cd<|im_end|>", add_special_tokens=False)["input_ids"], 512)
     assert "<think>" in tok.decode(off.input_ids) and int(off.assistant.sum()) == 3 and int(off.reasoning.sum()) == 0
+
+
+HARMONY_TURN = "<|channel|>analysis<|message|>ab<|end|><|start|>assistant<|channel|>final<|message|>cd<|return|>"
+
+
+def test_harmony_analysis_is_the_reasoning_and_the_final_channel_the_answer():
+    tok = tiny_tokenizer("harmony")
+    prompt = generation_prompt(tok, HI, {"reasoning_effort": "low"})
+    assert "".join(tok.convert_ids_to_tokens(prompt)) == (
+        "<|start|>system<|message|>Reasoning: low<|end|><|start|>user<|message|>hi<|end|><|start|>assistant")
+    ids = tok(HARMONY_TURN, add_special_tokens=False)["input_ids"]
+    on = tokenize_generated(tok, prompt, ids, 512)
+    inside = [t for t, r in zip(tok.convert_ids_to_tokens(on.input_ids), on.reasoning) if r]
+    assert "".join(inside) == "<|channel|>analysis<|message|>ab<|end|>" and int(on.assistant.sum()) == len(ids) == 33
+    assert not on.open_at_end and int(on.loss_mask.sum()) == 33
+    answers = tokenize_generated(tok, prompt, ids, 512, train_reasoning=False)
+    assert int(answers.loss_mask.sum()) == 33 - 13  # <|start|>assistant<|channel|>final<|message|>cd<|return|>
+    cut = tokenize_generated(tok, prompt, ids[:12], 512)  # stopped before <|end|>
+    assert cut.open_at_end and int(cut.reasoning.sum()) == 12
+    # the same turn taken back as gpt-oss's template takes it, then rendered: the same tokens, the same split
+    ab, cd = (tok(t, add_special_tokens=False)["input_ids"] for t in ("ab", "cd"))
+    assert harmony_message(tok, ids) == {"content": tok.decode(cd), "thinking": tok.decode(ab)}
+    again = tokenize_conversation(tok, [*HI, {"role": "assistant", "content": "cd", "thinking": "ab"}], 512,
+                                  {"reasoning_effort": "low"})
+    assert again.input_ids.tolist() == on.input_ids.tolist() and again.reasoning.tolist() == on.reasoning.tolist()
+    assert harmony_message(tok, ab + ids[-1:]) == {"content": tok.decode(ab)}  # no channel opened: all answer
+    assert harmony_message(tok, ids[:11]) == {"content": "", "thinking": tok.decode(ab[:1])}  # cut in the analysis
+    assert [(r.start, r.end) for r in reasoning_regions("x<think>y</think>", template_markers(HARMONY))] == []
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +174,47 @@ def test_a_template_without_a_switch_is_refused_at_the_target_stage(tmp_path, ti
                        capture_output=True, text=True)
     assert r.returncode == 2 and "enable_thinking" in r.stderr and "jinja2.meta" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def harmony_target(tmp_path_factory) -> Path:
+    """A tiny gpt-oss-shaped target with the harmony template (reasoning_effort, analysis and final channels)."""
+    return build("gpt_oss", tmp_path_factory.mktemp("harmony") / "target", template="harmony")
+
+
+@pytest.mark.parametrize(("harmony", "over", "says"), [
+    (True, {"extract.thinking": "mix"}, "always reasons"),
+    (True, {"prompts.max_turns": 2}, "ends the last assistant turn otherwise"),
+    (False, {"extract.reasoning_effort": "low"}, "does not read reasoning_effort"),
+])
+def test_what_a_harmony_template_cannot_do_is_refused_at_the_target_stage(tmp_path, harmony_target, tiny_target,
+                                                                          harmony, over, says):
+    params = _params(**over)
+    params["target"]["source"] = str(harmony_target if harmony else tiny_target)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
+                       check=False, capture_output=True, text=True)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_extract_keeps_what_a_harmony_target_wrote_at_the_effort_asked(tmp_path, harmony_target):
+    from transformers import AutoModelForCausalLM
+
+    cwd = project(tmp_path, harmony_target, 3, thinking="on", reasoning_effort="low", max_thinking_tokens=10)
+    out = run_extract(cwd, harmony_target).communicate()[0]
+    think = json.loads((cwd / "extract.json").read_text())["thinking"]
+    assert think["on"] == 3 and think["off"] == 0, out
+    fs, tok = FeatureSet(cwd / "features"), AutoTokenizer.from_pretrained(harmony_target)
+    model = AutoModelForCausalLM.from_pretrained(harmony_target, dtype=torch.float32).eval()
+    for ref in fs.refs:
+        sample, row = fs.read(ref), next(r for r in fs.manifest["samples"] if r["id"] == ref.id)
+        ids = sample.input_ids.tolist()
+        head = ids.index(tok.convert_tokens_to_ids("<|start|>"), 1)  # the system message ends before it
+        assert "Reasoning: low" in "".join(tok.convert_ids_to_tokens(ids[:head]))
+        prompt_len = len(ids) - row["reasoning_tokens"] - row["answer_tokens"]
+        want = model.generate(torch.tensor([ids[:prompt_len]]), max_new_tokens=10, do_sample=False)[0].tolist()
+        assert ids == want[: len(ids)] and len(ids) > prompt_len  # the completion as the target wrote it, greedy
 
 
 def test_rounds_are_split_where_their_first_draft_lands():

@@ -241,10 +241,11 @@ def _shard_samples(engines: _Engines, tok, chunk: list[dict], ids: list[int], p:
         timing.generate += time.perf_counter() - t0
         if dropped:
             log.warning("%d synthetic conversations left out: the target wrote an empty user turn", dropped)
+    switch = engines.info.thinking_switch
     toks = [tokenize_generated(tok, **conv["generated"], max_length=p.max_length, train_reasoning=p.train_reasoning)
             if "generated" in conv else
             tokenize_conversation(tok, conv["messages"], p.max_length,
-                                  template_kwargs(engines.info.thinking_switch, conv.get("thinking")), p.train_reasoning)
+                                  template_kwargs(switch, conv.get("thinking"), p.reasoning_effort), p.train_reasoning)
             for conv in chunk]
     caps = [None] * len(chunk)
     if gate and chunk:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from eaglepipe.data.prompts import is_synthetic
 from eaglepipe.data.template import generation_prompt, user_prompt
 from eaglepipe.params import ExtractParams
-from eaglepipe.target.reasoning import template_kwargs, thinking_on
+from eaglepipe.target.reasoning import HARMONY, harmony_message, template_kwargs, thinking_on
 
 
 def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | None = None) -> list[dict]:
@@ -17,7 +17,10 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | N
     :func:`eaglepipe.target.reasoning.thinking_on`), its prompts are rendered with the template's ``switch``, a
     turn with thinking on may write ``p.max_thinking_tokens`` tokens, and the last turn also keeps ``generated``: its
     prompt and completion ids exactly as generated (reasoning, no end-of-turn when cut), which
-    :func:`eaglepipe.data.template.tokenize_generated` trains on.
+    :func:`eaglepipe.data.template.tokenize_generated` trains on. A harmony target (``switch`` reasoning_effort)
+    gets ``p.reasoning_effort`` in every mode, and each turn it writes is taken back as its template takes one:
+    the final channel as content, the analysis channel as ``thinking``
+    (:func:`eaglepipe.target.reasoning.harmony_message`).
 
     A synthetic record's (:func:`eaglepipe.data.prompts.is_synthetic`) empty user turns are written first by the
     target itself: sampled at ``p.synthetic_temperature`` from :func:`eaglepipe.data.template.user_prompt`
@@ -37,7 +40,7 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | N
         if users:
             outs = engine.generate([user_prompt(tok, _steered(c, i)) for c in users], p.max_new_tokens,
                                    p.synthetic_temperature, _synthetic_seed(users, p.seed))
-            _fill(tok, users, i, outs)
+            _fill(tok, users, i, outs, None)
         todo = [c for c in convs if i < len(c["messages"]) and c["messages"][i]["role"] == "assistant"]
         if not todo:
             continue
@@ -45,10 +48,11 @@ def regenerate(engine, tok, convs: list[dict], p: ExtractParams, switch: str | N
             group = [c for c in todo if c.get("thinking") is on]
             if not group:
                 continue
-            prompts = [generation_prompt(tok, c["messages"][:i], template_kwargs(switch, on)) for c in group]
+            kwargs = template_kwargs(switch, on, p.reasoning_effort)
+            prompts = [generation_prompt(tok, c["messages"][:i], kwargs) for c in group]
             outs = engine.generate(prompts, p.max_thinking_tokens if on else p.max_new_tokens, p.temperature,
                                    p.seed + i)
-            _fill(tok, group, i, outs)
+            _fill(tok, group, i, outs, switch)
             if on is not None:
                 _keep_generated(group, i, prompts, outs)
         for c in todo:
@@ -71,11 +75,12 @@ def _steered(conv: dict, i: int) -> list[dict]:
     return ([{"role": "system", "content": steer}] if steer else []) + conv["messages"][:i]
 
 
-def _fill(tok, convs: list[dict], i: int, outs: list[list[int]]) -> None:
+def _fill(tok, convs: list[dict], i: int, outs: list[list[int]], switch: str | None) -> None:
     for c, ids in zip(convs, outs):
-        text = tok.decode(ids, skip_special_tokens=True).strip()
-        if text:
-            c["messages"][i]["content"] = text
+        msg = (harmony_message(tok, ids) if switch == HARMONY else
+               {"content": tok.decode(ids, skip_special_tokens=True).strip()})
+        if msg["content"] or msg.get("thinking"):
+            c["messages"][i] = {**{k: v for k, v in c["messages"][i].items() if k != "thinking"}, **msg}
         else:
             c["regenerate_empty"] = True
 

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from eaglepipe.errors import CaptureMismatch
-from eaglepipe.target.reasoning import CLOSE, OPEN, reasoning_regions
+from eaglepipe.target.reasoning import reasoning_regions, template_markers
 
 
 @dataclass
 class Tokenized:
     """input_ids int64 (T,); loss_mask bool (T,); assistant bool (T,) (token t is assistant text); reasoning bool
-    (T,) (token t is assistant text inside a reasoning region, :func:`eaglepipe.target.reasoning.reasoning_regions`)."""
+    (T,) (token t is assistant text inside a reasoning region of the template's form,
+    :func:`eaglepipe.target.reasoning.reasoning_regions`)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
@@ -80,40 +81,48 @@ def tokenize_conversation(tok, messages: list[dict], max_length: int, kwargs: di
         :class:`Tokenized` with tensors of length T ≤ max_length.
     """
     text, spans = assistant_spans(tok, messages, kwargs)
-    regions = reasoning_regions(text)
+    regions = reasoning_regions(text, template_markers(tok.chat_template))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [a for a, _ in enc["offset_mapping"]]
-    assistant = [any(s <= c < e for s, e in spans) for c in starts]
-    reasoning = [a and any(r.start <= c < r.end for r in regions) for a, c in zip(assistant, starts)]
-    return _tokenized(tok, enc["input_ids"], assistant, reasoning, max_length, train_reasoning)
+    assistant = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+    inside = [next((r for r in regions if r.start <= a < r.end), None) for a, _ in enc["offset_mapping"]]
+    reasoning = [a and r is not None for a, r in zip(assistant, inside)]
+    still_open = [r is not None and (not r.closed or b < r.end) for r, (_, b) in zip(inside, enc["offset_mapping"])]
+    return _tokenized(enc["input_ids"], assistant, reasoning, still_open, max_length, train_reasoning)
 
 
 def tokenize_generated(tok, prompt: list[int], completion: list[int], max_length: int,
                        train_reasoning: bool = True) -> Tokenized:
     """The sample of a turn as generated (module docstring): ``prompt`` (the generation prompt's ids) then
     ``completion`` (the ids the target wrote), the completion the assistant turn. A token is reasoning from the
-    :data:`OPEN` token through the :data:`CLOSE` one, the prompt's own markers included (a prompt that opens
-    ``<think>`` makes the completion reasoning until it closes). Raises CaptureMismatch when the tokenizer has no
-    single token for either marker."""
-    open_id, close_id = (tok.convert_tokens_to_ids(m) for m in (OPEN, CLOSE))
-    if tok.unk_token_id in (open_id, close_id) or None in (open_id, close_id):
-        raise CaptureMismatch(f"the tokenizer has no single token for {OPEN} and {CLOSE}: the reasoning in a "
-                              "completion cannot be told from its answer")
-    ids, inside, reasoning = [*prompt, *completion], False, []
-    for t in ids:
-        inside = inside or t == open_id
-        reasoning.append(inside)
-        inside = inside and t != close_id
+    first token of the template form's open marker through the last of its close marker
+    (:func:`eaglepipe.target.reasoning.template_markers`: ``<think>`` … ``</think>``, or harmony's analysis channel),
+    the prompt's own markers included (a prompt that opens ``<think>`` makes the completion reasoning until it
+    closes). Raises CaptureMismatch when the tokenizer does not encode either marker without unknown tokens."""
+    m = template_markers(tok.chat_template)
+    open_ids, close_ids = (tok(s, add_special_tokens=False)["input_ids"] for s in (m.open, m.close))
+    if tok.unk_token_id in open_ids + close_ids or not open_ids or not close_ids:
+        raise CaptureMismatch(f"the tokenizer cannot encode {m.open} and {m.close}: the reasoning in a completion "
+                              "cannot be told from its answer")
+    ids, opened_at, reasoning, still_open = [*prompt, *completion], None, [], []
+    for i in range(len(ids)):
+        if opened_at is None and ids[i : i + len(open_ids)] == open_ids:
+            opened_at = i
+        reasoning.append(opened_at is not None)
+        if opened_at is not None and i + 1 - len(close_ids) >= opened_at + len(open_ids) \
+                and ids[i + 1 - len(close_ids) : i + 1] == close_ids:
+            opened_at = None
+        still_open.append(opened_at is not None)
     assistant = [False] * len(prompt) + [True] * len(completion)
     reasoning = [a and r for a, r in zip(assistant, reasoning)]
-    return _tokenized(tok, ids, assistant, reasoning, max_length, train_reasoning)
+    return _tokenized(ids, assistant, reasoning, still_open, max_length, train_reasoning)
 
 
-def _tokenized(tok, ids: list[int], assistant: list[bool], reasoning: list[bool], max_length: int,
-               train_reasoning: bool) -> Tokenized:
-    """The :class:`Tokenized` of per-token lists, cut to ``max_length``, with the shifted loss mask."""
+def _tokenized(ids: list[int], assistant: list[bool], reasoning: list[bool], still_open: list[bool],
+               max_length: int, train_reasoning: bool) -> Tokenized:
+    """The :class:`Tokenized` of per-token lists (``still_open[t]``: a reasoning region is open after token t), cut
+    to ``max_length``, with the shifted loss mask."""
     ids, assistant, reasoning = ids[:max_length], assistant[:max_length], reasoning[:max_length]
-    open_at_end = bool(reasoning) and reasoning[-1] and ids[-1] != tok.convert_tokens_to_ids(CLOSE)
+    open_at_end = bool(reasoning) and reasoning[-1] and still_open[len(ids) - 1]
     assistant, reasoning = torch.tensor(assistant, dtype=torch.bool), torch.tensor(reasoning, dtype=torch.bool)
     trained = assistant if train_reasoning else assistant & ~reasoning
     loss_mask = torch.zeros_like(assistant)

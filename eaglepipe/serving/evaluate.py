@@ -32,17 +32,18 @@ log = logging.getLogger(__name__)
 
 
 def eval_prompts(tok, records: list[dict], n: int, switch: str | None = None,
-                 modes: tuple[bool | None, ...] = (None,)) -> list[dict]:
+                 modes: tuple[bool | None, ...] = (None,), effort: str | None = None) -> list[dict]:
     """[{id, source, thinking, input_ids}] for the first ``n`` records (first user turn, system message kept), each
     rendered once per thinking mode in ``modes`` (True / False: the template's ``switch`` passed on / off; None:
-    the template's default), mode by mode."""
+    the template's default), mode by mode; ``effort``: a harmony template's reasoning_effort
+    (:func:`eaglepipe.target.reasoning.template_kwargs`)."""
     out = []
     for on in modes:
         for r in records[:n]:
             msgs = r["messages"]
             upto = next(i for i, m in enumerate(msgs) if m["role"] == "user") + 1
             out.append({"id": r["id"], "source": r.get("source", ""), "thinking": on,
-                        "input_ids": generation_prompt(tok, msgs[:upto], template_kwargs(switch, on))})
+                        "input_ids": generation_prompt(tok, msgs[:upto], template_kwargs(switch, on, effort))})
     return out
 
 
@@ -120,10 +121,10 @@ def reference_eval(target_dir: Path, drafter_dir: Path, layers: list[int], promp
 
 
 def reasoning_inside(tok, prompt: list[int], out: list[int]) -> list[bool]:
-    """Per token of ``out`` (the target's continuation of ``prompt``): inside its reasoning, from the ``<think>``
-    token (the prompt's own included: a template that opens it for the target) through ``</think>``
-    (:func:`eaglepipe.data.template.tokenize_generated`). Raises CaptureMismatch when the tokenizer has no single
-    token for either marker."""
+    """Per token of ``out`` (the target's continuation of ``prompt``): inside its reasoning, from the open marker of
+    the template's form (the prompt's own included: a template that opens ``<think>`` for the target) through its
+    close marker (:func:`eaglepipe.data.template.tokenize_generated`). Raises CaptureMismatch when the tokenizer
+    cannot encode either marker."""
     return tokenize_generated(tok, prompt, out, len(prompt) + len(out)).reasoning[len(prompt):].tolist()
 
 

@@ -1,25 +1,28 @@
 """A reasoning target's thinking switch, the mode each conversation is regenerated in, and where its reasoning lies.
 
-Hybrid reasoning targets render their chat template with a switch: a Jinja variable the template reads, which the
+Reasoning targets render their chat template with a switch: a Jinja variable the template reads, which the
 engines pass as chat-template options (vLLM's and SGLang's ``chat_template_kwargs``, transformers'
 ``apply_chat_template(**kwargs)``). eaglepipe renders every prompt itself, so the switch goes to
 ``apply_chat_template``:
 
-  ``enable_thinking``  Qwen3 hybrid templates (GLM-4.5 likewise): thinking by default; off writes an empty
-                       ``<think>\\n\\n</think>\\n\\n`` into the generation prompt
-  ``thinking``         DeepSeek-V3.1 and Kimi-K2.5 templates: the generation prompt ends in ``<think>`` (on) or
-                       ``</think>`` (off)
+  ``enable_thinking``   Qwen3 hybrid templates (GLM-4.5 likewise): thinking by default; off writes an empty
+                        ``<think>\\n\\n</think>\\n\\n`` into the generation prompt
+  ``thinking``          DeepSeek-V3.1 and Kimi-K2.5 templates: the generation prompt ends in ``<think>`` (on) or
+                        ``</think>`` (off)
+  ``reasoning_effort``  gpt-oss's harmony format: always reasons, in its analysis channel; low / medium / high set
+                        how long (written into the system message), and there is no off
 
 The switch is found in the template's own source, as the undeclared variables Jinja's parser reports
 (``jinja2.meta.find_undeclared_variables``), so a template that never reads it is refused rather than rendered
-unchanged. The reasoning is the text from ``<think>`` to ``</think>`` inclusive, whether the target or the
-template's generation prompt opened it; a region still open where the text ends is a trace cut by the token budget.
-gpt-oss's harmony format (analysis channel, ``reasoning_effort``) always reasons, has no off switch and is not
-parsed here.
+unchanged. The reasoning runs from the form's open marker through its close marker, both included, whether the
+target or the template's generation prompt opened it: ``<think>`` … ``</think>``, or harmony's
+``<|channel|>analysis<|message|>`` … ``<|end|>`` (the final channel's header and text after it are the answer); a
+region still open where the text ends is a trace cut by the token budget.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -27,8 +30,22 @@ from pathlib import Path
 
 from eaglepipe.errors import ParamsError
 
-SWITCHES = {"enable_thinking": "Qwen3 / GLM-4.5 form", "thinking": "DeepSeek-V3.1 / Kimi-K2.5 form"}
-OPEN, CLOSE = "<think>", "</think>"
+SWITCHES = {"enable_thinking": "Qwen3 / GLM-4.5 form", "thinking": "DeepSeek-V3.1 / Kimi-K2.5 form",
+            "reasoning_effort": "gpt-oss harmony form"}
+HARMONY = "reasoning_effort"  # the switch of the one form with no off: its value is an effort, not on / off
+EFFORTS = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class Markers:
+    """Where a form's reasoning opens and closes in the text (both markers are part of the reasoning)."""
+
+    open: str
+    close: str
+
+
+THINK = Markers("<think>", "</think>")
+HARMONY_ANALYSIS = Markers("<|channel|>analysis<|message|>", "<|end|>")
 
 
 def template_text(folder: str | Path) -> str:
@@ -44,6 +61,7 @@ def template_text(folder: str | Path) -> str:
     return tpl or ""
 
 
+@functools.lru_cache(maxsize=8)
 def thinking_switch(template: str) -> str | None:
     """The variable of :data:`SWITCHES` that ``template`` reads (the first, in that order), None when it reads none
     or does not parse."""
@@ -63,11 +81,18 @@ def no_switch_reason(template: str) -> str:
     if not template:
         return "the target has no chat template"
     looked = ", ".join(f"{k} ({v})" for k, v in SWITCHES.items())
-    why = f"its chat template reads none of the thinking switches eaglepipe knows: {looked}"
-    if "reasoning_effort" in template:
-        why += ("; it reads reasoning_effort: gpt-oss's harmony format always writes its analysis channel and has "
-                "no off switch")
-    return why + " (found with jinja2.meta.find_undeclared_variables on the template's source)"
+    return (f"its chat template reads none of the thinking switches eaglepipe knows: {looked} (found with "
+            "jinja2.meta.find_undeclared_variables on the template's source)")
+
+
+def markers(switch: str | None) -> Markers:
+    """The reasoning markers of the form whose switch is ``switch`` (:data:`THINK` for a template without one)."""
+    return HARMONY_ANALYSIS if switch == HARMONY else THINK
+
+
+def template_markers(template: str | None) -> Markers:
+    """The reasoning markers of a chat template's form (:func:`thinking_switch`, :func:`markers`)."""
+    return markers(thinking_switch(template) if template else None)
 
 
 def thinking_on(conv_id: str, mode: str, share: float, seed: int) -> bool | None:
@@ -82,8 +107,12 @@ def thinking_on(conv_id: str, mode: str, share: float, seed: int) -> bool | None
     return draw < share
 
 
-def template_kwargs(switch: str | None, on: bool | None) -> dict:
-    """``apply_chat_template`` keyword arguments for a conversation: ``{switch: on}``, or none."""
+def template_kwargs(switch: str | None, on: bool | None, effort: str | None = None) -> dict:
+    """``apply_chat_template`` keyword arguments for a conversation: ``{switch: on}``; for the harmony form
+    ``{"reasoning_effort": effort}`` in any mode (params ``extract.reasoning_effort``; none: the template's
+    default); else none."""
+    if switch == HARMONY:
+        return {HARMONY: effort} if effort else {}
     return {} if switch is None or on is None else {switch: on}
 
 
@@ -96,26 +125,61 @@ class Region:
     closed: bool
 
 
-def reasoning_regions(text: str) -> list[Region]:
-    """The reasoning regions of ``text``, each from :data:`OPEN` through :data:`CLOSE` (both markers included), or
+def reasoning_regions(text: str, m: Markers = THINK) -> list[Region]:
+    """The reasoning regions of ``text``, each from ``m.open`` through ``m.close`` (both markers included), or
     through the end of ``text`` when no close follows."""
     out, at = [], 0
-    while (start := text.find(OPEN, at)) >= 0:
-        close = text.find(CLOSE, start + len(OPEN))
+    while (start := text.find(m.open, at)) >= 0:
+        close = text.find(m.close, start + len(m.open))
         if close < 0:
             out.append(Region(start, len(text), False))
             break
-        out.append(Region(start, close + len(CLOSE), True))
-        at = close + len(CLOSE)
+        out.append(Region(start, close + len(m.close), True))
+        at = close + len(m.close)
     return out
 
 
-def require_switch(mode: str, template: str, source: str) -> str | None:
-    """The thinking switch ``template`` reads where params ``extract.thinking`` ``mode`` needs one (None for
-    "template"). Raises ParamsError (exit 2, at the target stage) when it reads none."""
+def harmony_message(tok, ids: list[int]) -> dict:
+    """An assistant message of the harmony form from the ids the target wrote (``<|channel|>analysis<|message|>R
+    <|end|><|start|>assistant<|channel|>final<|message|>A<|return|>``): ``{"content": A, "thinking": R}`` (each
+    decoded), as gpt-oss's template takes a turn back (its analysis rendered only for a final turn). Ids that open no
+    channel are all content; a channel cut by the budget runs to the end."""
+    special = {t: tok.convert_tokens_to_ids(t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                                                         "<|call|>", "<|start|>")}
+    stops = {special[t] for t in ("<|end|>", "<|return|>", "<|call|>", "<|start|>")}
+    parts, i = {}, 0
+    while special["<|channel|>"] in ids[i:]:
+        head = ids.index(special["<|channel|>"], i) + 1
+        body = ids.index(special["<|message|>"], head) + 1 if special["<|message|>"] in ids[head:] else len(ids)
+        end = next((j for j in range(body, len(ids)) if ids[j] in stops), len(ids))
+        parts[tok.decode(ids[head : body - 1]).replace(" ", "")] = tok.decode(ids[body:end], skip_special_tokens=True)
+        i = end
+    if not parts:
+        return {"content": tok.decode(ids, skip_special_tokens=True).strip()}
+    return {"content": parts.get("final", "").strip(), **({"thinking": parts["analysis"].strip()}
+                                                           if "analysis" in parts else {})}
+
+
+def require_switch(mode: str, template: str, source: str, effort: str | None = None,
+                   max_turns: int = 1) -> str | None:
+    """The thinking switch ``template`` reads where params ``extract.thinking`` ``mode`` (or an
+    ``extract.reasoning_effort``) needs one (None for "template"). Raises ParamsError (exit 2, at the target stage)
+    when it reads none, when a harmony template is asked for thinking off (it has none) or for several turns a sample
+    (it ends the last assistant turn with ``<|return|>``, earlier ones with ``<|end|>``, so no turn's text is a prefix
+    of the whole), or when an effort is set for another form."""
+    switch = thinking_switch(template)
+    if effort and switch != HARMONY:
+        raise ParamsError(f"extract.reasoning_effort: {effort}, but the target {source}'s chat template does not read "
+                          "reasoning_effort (gpt-oss's harmony form): set extract.reasoning_effort: null")
+    if switch == HARMONY and (mode in ("off", "mix") or max_turns > 1):
+        why = (f"extract.thinking: {mode}" if mode in ("off", "mix") else f"prompts.max_turns: {max_turns}")
+        raise ParamsError(f"{why}, but the target {source} writes gpt-oss's harmony format: it always reasons (no off "
+                          "switch; extract.reasoning_effort: low makes it reason least) and its template ends the "
+                          "last assistant turn otherwise than earlier ones. Set extract.thinking: on or template and "
+                          "prompts.max_turns: 1")
     if mode == "template":
         return None
-    if (switch := thinking_switch(template)) is None:
+    if switch is None:
         raise ParamsError(f"extract.thinking: {mode}, but the target {source}: {no_switch_reason(template)}. Set "
                           "extract.thinking: template, or give target.chat_template a template with the switch")
     return switch

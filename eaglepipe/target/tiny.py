@@ -55,7 +55,27 @@ DEEPSEEK_V31 = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' + ('<think>' if thinking else '</think>') }}"
     "{%- endif %}"
 )
-TEMPLATES = {"chatml": CHATML, "qwen3": QWEN3, "deepseek_v3.1": DEEPSEEK_V31}
+# gpt-oss's harmony template without tools: its reasoning_effort read into the system message, a system turn moved
+# into a developer message, an assistant turn rendered as its final channel (its analysis, the "thinking" field, only
+# for a last turn, which ends in <|return|>, earlier ones in <|end|>), the generation prompt <|start|>assistant. The
+# system message keeps only its Reasoning line (its identity, cutoff and strftime_now date would fill a tiny
+# character-level sample).
+HARMONY = (
+    "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
+    "{{- '<|start|>system<|message|>Reasoning: ' + reasoning_effort + '<|end|>' }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{{- '<|start|>developer<|message|>' + messages[0].content + '<|end|>' }}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for m in loop_messages %}{%- if m.role == 'assistant' %}"
+    "{%- if loop.last and not add_generation_prompt %}"
+    "{%- if 'thinking' in m %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}"
+    "{%- endif %}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|return|>' }}"
+    "{%- else %}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- elif m.role == 'user' %}{{- '<|start|>user<|message|>' + m.content + '<|end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+HARMONY_SPECIALS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+TEMPLATES = {"chatml": CHATML, "qwen3": QWEN3, "deepseek_v3.1": DEEPSEEK_V31, "harmony": HARMONY}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1000000.0}
@@ -103,7 +123,8 @@ FAMILIES: dict[str, tuple[str, dict, str | None, str]] = {
 def tiny_tokenizer(template: str = "chatml"):
     """A character-level fast tokenizer (ids < 99) with ChatML specials and the chat template ``template`` (a key of
     :data:`TEMPLATES`); a thinking template's ``<think>`` and ``</think>`` are tokens of their own, not special (as in
-    Qwen3)."""
+    Qwen3); the harmony template's markers are special tokens (as in gpt-oss's o200k_harmony), ``<|return|>`` its
+    EOS."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -115,9 +136,12 @@ def tiny_tokenizer(template: str = "chatml"):
     tok.add_special_tokens(specials[:3])
     if "<think>" in TEMPLATES[template]:  # the reasoning markers, where a thinking template writes them
         tok.add_tokens(["<think>", "</think>"])
+    if template == "harmony":
+        tok.add_special_tokens(HARMONY_SPECIALS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
-        unk_token="[UNK]", chat_template=TEMPLATES[template],
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>",
+        eos_token="<|return|>" if template == "harmony" else "<|im_end|>", unk_token="[UNK]",
+        chat_template=TEMPLATES[template],
     )
 
 
@@ -127,18 +151,21 @@ def build(name: str, out: str | Path, seed: int = 0, template: str = "chatml", *
     Weights are random (torch seed ``seed``), float32. For ``kimi_k2`` the folder's config.json then says
     ``model_type: kimi_k2`` (as Kimi-K2 checkpoints do), which transformers alone cannot load.
     ``overrides``: config keys over the family's (e.g. ``num_experts_per_tok=1`` for a variant); ``template``: the
-    tokenizer's chat template (:func:`tiny_tokenizer`).
+    tokenizer's chat template (:func:`tiny_tokenizer`; the harmony template's ``<|return|>`` is the model's EOS).
     """
     import torch
     import transformers
 
     cls_name, extra, model_type, _ = FAMILIES[name]
+    tok = tiny_tokenizer(template)
+    if template == "harmony":
+        overrides = {"eos_token_id": tok.eos_token_id, **overrides}
     torch.manual_seed(seed)
     cfg = getattr(transformers, cls_name)(**{**_BASE, **extra, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     out = Path(out)
     model.save_pretrained(out)
-    tiny_tokenizer(template).save_pretrained(out)
+    tok.save_pretrained(out)
     if model_type is not None:
         raw = read_target_config(out)
         raw["model_type"] = model_type
