@@ -13,6 +13,16 @@ import sys
 from eaglepipe.errors import EaglepipeError
 
 
+def _add_versions(p) -> None:
+    """The engine versions whose layer-id rules a command applies (inspect, diagnose)."""
+    p.add_argument("--sglang-version", help="apply this SGLang version's rules (default: installed, else verified)")
+    p.add_argument("--vllm-version", help="apply this vLLM version's rules (default: installed, else verified)")
+
+
+def _versions(args) -> dict[str, str]:
+    return {k: v for k, v in {"sglang": args.sglang_version, "vllm": args.vllm_version}.items() if v}
+
+
 def _add_inspect(sub) -> None:
     p = sub.add_parser(
         "inspect",
@@ -24,8 +34,7 @@ def _add_inspect(sub) -> None:
     )
     p.add_argument("draft_dir", help="draft folder holding config.json (+ *.safetensors)")
     p.add_argument("--target", required=True, help="target HF folder or its config.json")
-    p.add_argument("--sglang-version", help="apply this SGLang version's rules (default: installed, else verified)")
-    p.add_argument("--vllm-version", help="apply this vLLM version's rules (default: installed, else verified)")
+    _add_versions(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_run_inspect)
 
@@ -33,8 +42,7 @@ def _add_inspect(sub) -> None:
 def _run_inspect(args) -> int:
     from eaglepipe.contract.inspect import format_report, inspect_draft
 
-    versions = {"sglang": args.sglang_version, "vllm": args.vllm_version}
-    report = inspect_draft(args.draft_dir, args.target, {k: v for k, v in versions.items() if v})
+    report = inspect_draft(args.draft_dir, args.target, _versions(args))
     if args.json:
         print(json.dumps({**dataclasses.asdict(report), "ok": report.ok}, indent=2))
     else:
@@ -62,6 +70,7 @@ def _add_diagnose(sub) -> None:
                    help="score on the target's greedy continuations (default) or on the conversations' own "
                    "assistant turns (how a draft trained on that data without regeneration saw it)")
     p.add_argument("--no-search", action="store_true", help="score the starting sets only, no coordinate ascent")
+    _add_versions(p)
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     p.set_defaults(run=_run_diagnose)
 
@@ -72,7 +81,7 @@ def _run_diagnose(args) -> int:
 
     records = prompt_records(args.prompts)
     d = diagnose(args.draft_dir, args.target, records, args.prompts_n, args.max_new, not args.no_search,
-                 text=args.text)
+                 _versions(args), text=args.text)
     print(json.dumps(d.to_json(), indent=2) if args.json else format_diagnosis(d))
     return 0 if d.ok else 1
 

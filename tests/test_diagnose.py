@@ -100,11 +100,10 @@ def test_ids_planted_one_off_are_named_and_the_right_ones_written(trained, tmp_p
     assert d.engines["vllm"]["feeds"] == [3, 4, 5] and d.engines["sglang"]["ids"] == [1, 2, 3] and not d.ok
     write_jsonl(tmp_path / "convs.jsonl", CONVS[:32])
     rc = main(["diagnose", str(folder), "--target", str(target), "--prompts", str(tmp_path / "convs.jsonl"),
-               "--prompts-n", "32", "--text", "conversation"])
+               "--prompts-n", "32", "--text", "conversation", "--vllm-version", "0.26.0"])
     out = capsys.readouterr().out
-    assert rc == 1 and "trained on h[2, 3, 4]" in out
-    vllm = d.engines["vllm"]["version"]  # the installed one, else the newest read (no vLLM: 0.33.0)
-    assert f"vllm {vllm}: WRONG, feeds h[3, 4, 5]; its config needs eagle_aux_hidden_state_layer_ids = [2, 3, 4]" in out
+    assert rc == 1 and "trained on h[2, 3, 4]" in out  # the rules of the version asked, not the installed one's
+    assert "vllm 0.26.0: WRONG, feeds h[3, 4, 5]; its config needs eagle_aux_hidden_state_layer_ids = [2, 3, 4]" in out
 
 
 def test_a_folder_without_ids_is_searched(trained, tmp_path):
