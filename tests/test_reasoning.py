@@ -89,8 +89,8 @@ HARMONY_TURN = "<|channel|>analysis<|message|>ab<|end|><|start|>assistant<|chann
 def test_harmony_analysis_is_the_reasoning_and_the_final_channel_the_answer():
     tok = tiny_tokenizer("harmony")
     prompt = generation_prompt(tok, HI, {"reasoning_effort": "low"})
-    assert "".join(tok.convert_ids_to_tokens(prompt)) == (
-        "<|start|>system<|message|>Reasoning: low<|end|><|start|>user<|message|>hi<|end|><|start|>assistant")
+    assert "".join(tok.convert_ids_to_tokens(prompt)) == (  # strftime_now: the pinned day, not today
+        "<|start|>system<|message|>2026-01-01 Reasoning: low<|end|><|start|>user<|message|>hi<|end|><|start|>assistant")
     ids = tok(HARMONY_TURN, add_special_tokens=False)["input_ids"]
     on = tokenize_generated(tok, prompt, ids, 512)
     inside = [t for t, r in zip(tok.convert_ids_to_tokens(on.input_ids), on.reasoning) if r]

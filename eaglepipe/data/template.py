@@ -20,6 +20,7 @@ them, which may drop, add or reshape the reasoning, nor a decode and re-encode, 
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,19 @@ class Tokenized:
     open_at_end: bool = False  # a reasoning region is still open at the last token (a trace cut by the budget)
 
 
+# The day every template is rendered on. Templates may print today's date (gpt-oss's harmony system message:
+# "Current date: " + strftime_now("%Y-%m-%d"), the helper transformers gives templates); pinned, a sample's tokens do
+# not depend on the day it is extracted, so DVC's outputs stay byte-reproducible.
+RENDER_DAY = datetime.date(2026, 1, 1)
+
+
+def _strftime(fmt: str) -> str:
+    return RENDER_DAY.strftime(fmt)
+
+
 def _render(tok, messages: list[dict], gen_prompt: bool, kwargs: dict | None = None) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt, **(kwargs or {}))
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt,
+                                   **{"strftime_now": _strftime, **(kwargs or {})})
 
 
 def assistant_spans(tok, messages: list[dict], kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:

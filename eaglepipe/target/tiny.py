@@ -58,11 +58,11 @@ DEEPSEEK_V31 = (
 # gpt-oss's harmony template without tools: its reasoning_effort read into the system message, a system turn moved
 # into a developer message, an assistant turn rendered as its final channel (its analysis, the "thinking" field, only
 # for a last turn, which ends in <|return|>, earlier ones in <|end|>), the generation prompt <|start|>assistant. The
-# system message keeps only its Reasoning line (its identity, cutoff and strftime_now date would fill a tiny
+# system message keeps its date (strftime_now) and Reasoning lines (its identity and cutoff would fill a tiny
 # character-level sample).
 HARMONY = (
     "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
-    "{{- '<|start|>system<|message|>Reasoning: ' + reasoning_effort + '<|end|>' }}"
+    "{{- '<|start|>system<|message|>' + strftime_now('%Y-%m-%d') + ' Reasoning: ' + reasoning_effort + '<|end|>' }}"
     "{%- if messages and messages[0].role == 'system' %}"
     "{{- '<|start|>developer<|message|>' + messages[0].content + '<|end|>' }}"
     "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
