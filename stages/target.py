@@ -6,7 +6,9 @@ capture it, offline or online), `extract.engine` and `framework` (a target one o
 capture is refused here, naming the engine file: eaglepipe/target/capture_check.py) and `tensor_parallel_size`
 (on a GPU, weights that cannot fit at that size are refused here, naming the size that fits; a pre-quantized
 scheme the engine has no kernel for on this machine is refused here: eaglepipe/target/checkpoint_quant.py),
-`extract.thinking` (a chat template without a thinking switch is refused here: eaglepipe/target/reasoning.py) and
+`extract.thinking`, `extract.reasoning_effort` and `prompts.max_turns` (what the chat template cannot do is refused
+here: no thinking switch, no off or several turns a sample in gpt-oss's harmony form, an effort it does not read:
+eaglepipe/target/reasoning.py) and
 `expert_parallel` (a dense target, or an engine without it on this device, is refused here:
 eaglepipe/target/info.py require_expert_parallel); writes OUT_DIR
 (config, tokenizer + chat template, the weights linked or a GGUF dequantized) and METRICS_JSON (N, hidden size,
