@@ -15,8 +15,9 @@
 #   (no carry):               bash lab/gpu_peers.sh train-eaglepipe                           (136 s, first run)
 #   (no carry):               bash lab/gpu_peers.sh judge                 (~7 min for 2 drafts, 12 workers)
 # REGEN=1 features: the target's own answers instead of ShareGPT's (the rows' "data" says which); TRAIN_CONVS
-# (default 8000) conversations, SYNTH (default 0) more written by the target itself. `features-bg` runs features in the background (past one call's 10 minutes);
-# `features-wait` waits for it in later calls.
+# (default 8000) conversations, SYNTH (default 0) more written by the target itself (GEN_BATCH rows a generate
+# batch). `features-bg` runs features in the background (past one call's 10 minutes); `features-wait` waits for it
+# in later calls.
 # Ablations: EP_SETS='; train.lr=0.001; train.step_decay=1.0' train-eaglepipe trains the defaults and two
 # variants, one process each; SPEC_SETS='optimizer=adamw' likewise; HUMANEVAL=0 judge scores MT-bench only.
 # The tests as setup.sh's machine runs them: wheels (pip download --no-deps, cp312 manylinux) of dvc, dvclive, the

@@ -34,7 +34,7 @@ from eaglepipe.target.reasoning import (
     thinking_on,
     thinking_switch,
 )
-from eaglepipe.target.tiny import CHATML, DEEPSEEK_V31, HARMONY, QWEN3, build, tiny_tokenizer
+from eaglepipe.target.tiny import CHATML, DEEPSEEK_V31, GPT_OSS, QWEN3, build, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "hi"}]
@@ -43,7 +43,7 @@ HI = [{"role": "user", "content": "hi"}]
 def test_the_switch_is_the_variable_the_template_reads():
     assert thinking_switch(QWEN3) == "enable_thinking" and thinking_switch(DEEPSEEK_V31) == "thinking"
     assert thinking_switch(CHATML) is None and thinking_switch("{% if %}") is None  # no switch; no parse
-    assert thinking_switch(HARMONY) == "reasoning_effort" and "jinja2.meta" in no_switch_reason(CHATML)
+    assert thinking_switch(GPT_OSS) == "reasoning_effort" and "jinja2.meta" in no_switch_reason(CHATML)
     assert template_kwargs("reasoning_effort", True, "low") == {"reasoning_effort": "low"}
     assert template_kwargs("reasoning_effort", None) == {} and template_kwargs("thinking", False, "low") == {
         "thinking": False}
@@ -108,7 +108,7 @@ def test_harmony_analysis_is_the_reasoning_and_the_final_channel_the_answer():
     assert again.input_ids.tolist() == on.input_ids.tolist() and again.reasoning.tolist() == on.reasoning.tolist()
     assert harmony_message(tok, ab + ids[-1:]) == {"content": tok.decode(ab)}  # no channel opened: all answer
     assert harmony_message(tok, ids[:11]) == {"content": "", "thinking": tok.decode(ab[:1])}  # cut in the analysis
-    assert [(r.start, r.end) for r in reasoning_regions("x<think>y</think>", template_markers(HARMONY))] == []
+    assert [(r.start, r.end) for r in reasoning_regions("x<think>y</think>", template_markers(GPT_OSS))] == []
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ DEEPSEEK_V31 = (
 # for a last turn, which ends in <|return|>, earlier ones in <|end|>), the generation prompt <|start|>assistant. The
 # system message keeps its date (strftime_now) and Reasoning lines (its identity and cutoff would fill a tiny
 # character-level sample).
-HARMONY = (
+GPT_OSS = (
     "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
     "{{- '<|start|>system<|message|>' + strftime_now('%Y-%m-%d') + ' Reasoning: ' + reasoning_effort + '<|end|>' }}"
     "{%- if messages and messages[0].role == 'system' %}"
@@ -75,7 +75,7 @@ HARMONY = (
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
 HARMONY_SPECIALS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
-TEMPLATES = {"chatml": CHATML, "qwen3": QWEN3, "deepseek_v3.1": DEEPSEEK_V31, "harmony": HARMONY}
+TEMPLATES = {"chatml": CHATML, "qwen3": QWEN3, "deepseek_v3.1": DEEPSEEK_V31, "harmony": GPT_OSS}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1000000.0}
