@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 # The real target is dequantized once per machine and reused by every slow test (and by dvc repro's target
@@ -52,8 +53,10 @@ def smollm2_dir() -> Path:
     from eaglepipe.target.info import materialize_target
 
     out = CACHE / "smollm2-135m-instruct"
-    if not (out / "config.json").exists():
-        materialize_target("smollm2-135m-instruct", out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):  # one writer when pytest-xdist's workers ask at once
+        if not (out / "config.json").exists():
+            materialize_target("smollm2-135m-instruct", out)
     return out
 
 

@@ -53,6 +53,9 @@ LLM_ARGS_ENV = "EAGLEPIPE_VLLM_ARGS"
 CONNECTOR_CLASS = "CPUHiddenStatesConnector"
 
 
+MACHINE_CACHE = Path(tempfile.gettempdir()) / "eaglepipe-vllm"  # also VLLMEngine's default work_dir
+
+
 def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None = None,
              tensor_parallel_size: int = 1) -> dict[str, str]:
     """Set (and return) the environment vLLM needs here; call before importing vllm.
@@ -61,8 +64,11 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
       the hidden-states cache of ``extract_hidden_states``.
     - ``VLLM_CPU_OMP_THREADS_BIND``: every core we may use, one group per tensor-parallel rank
       (:func:`cpu_groups`); vLLM's default keeps one core back, which halves throughput on a 2-core machine.
-    - ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``: under ``work_dir`` (the defaults under ``~`` may be
-      read-only). ``HF_HUB_OFFLINE=1``: targets and drafts are local folders; never reach for a hub.
+    - ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``: the caller's where set, else one folder per machine
+      under the system temp folder (the defaults under ``~`` may be read-only), shared by every ``work_dir``:
+      vLLM's model-class inspection (vllm/model_executor/models/registry.py, ``modelinfos/``, keyed by the
+      module's hash) then runs once per architecture, not once per new ``work_dir`` (~15 s a class on a CPU).
+      ``HF_HUB_OFFLINE=1``: targets and drafts are local folders; never reach for a hub.
     - ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless the caller set it: eaglepipe's requests are greedy or sampled
       with per-request seeds and ``top_p=1.0``, and ``TopKTopPSampler.forward_cuda``
       (vllm/v1/sample/ops/topk_topp_sampler.py) sends both to the native sampler, so FlashInfer's sampler never
@@ -75,8 +81,8 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": threads_bind or cpu_groups(tensor_parallel_size),
-        "VLLM_CACHE_ROOT": str(work_dir / "vllm-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(work_dir / "inductor-cache"),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(MACHINE_CACHE / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(MACHINE_CACHE / "inductor-cache"),
         "HF_HUB_OFFLINE": "1",
         "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
     }
@@ -162,7 +168,7 @@ class VLLMEngine(Engine):
         # stages/target.py refuses it first; a direct caller here (ParamsError, not a crashed worker)
         if expert_parallel and (why := expert_parallel_refusal("vllm", torch.cuda.is_available())):
             raise ParamsError(f"expert_parallel: {why}")
-        self.work_dir = Path(work_dir or Path(tempfile.gettempdir()) / "eaglepipe-vllm")
+        self.work_dir = Path(work_dir or MACHINE_CACHE)
         self.tensor_parallel_size = tensor_parallel_size
         self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind, tensor_parallel_size)
         self.max_model_len = max_model_len
