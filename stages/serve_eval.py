@@ -33,7 +33,7 @@ from eaglepipe.serving.evaluate import (
     reference_eval,
 )
 from eaglepipe.stage import require_inputs, run, start, write_metrics
-from eaglepipe.target.reasoning import HARMONY, template_text, thinking_switch
+from eaglepipe.target.reasoning import has_off, template_text, thinking_switch
 
 
 def serve_engine(framework: str, target_dir: Path, export_dir: Path, prompts: list[dict], s, tp: int = 1,
@@ -66,7 +66,7 @@ def main():
     s = p.serve
     switch = thinking_switch(template_text(target_dir))
     # a draft for a reasoning target: both modes, where the template has an off (harmony has none)
-    modes = (None,) if p.extract.thinking == "template" else (True,) if switch == HARMONY else (True, False)
+    modes = (None,) if p.extract.thinking == "template" else (True, False) if has_off(switch) else (True,)
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = eval_prompts(tok, read_jsonl(eval_file), s.prompts, switch, modes, p.extract.reasoning_effort)
     out = {"k": s.k, "max_new_tokens": s.max_new_tokens, "prompts": [q["id"] for q in prompts],

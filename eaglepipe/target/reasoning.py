@@ -33,7 +33,6 @@ from eaglepipe.errors import ParamsError
 SWITCHES = {"enable_thinking": "Qwen3 / GLM-4.5 form", "thinking": "DeepSeek-V3.1 / Kimi-K2.5 form",
             "reasoning_effort": "gpt-oss harmony form"}
 HARMONY = "reasoning_effort"  # the switch of the one form with no off: its value is an effort, not on / off
-EFFORTS = ("low", "medium", "high")
 
 
 @dataclass(frozen=True)
@@ -85,14 +84,15 @@ def no_switch_reason(template: str) -> str:
             "jinja2.meta.find_undeclared_variables on the template's source)")
 
 
-def markers(switch: str | None) -> Markers:
-    """The reasoning markers of the form whose switch is ``switch`` (:data:`THINK` for a template without one)."""
-    return HARMONY_ANALYSIS if switch == HARMONY else THINK
+def has_off(switch: str | None) -> bool:
+    """Whether the form whose switch is ``switch`` can answer without reasoning (every form but harmony's)."""
+    return switch != HARMONY
 
 
 def template_markers(template: str | None) -> Markers:
-    """The reasoning markers of a chat template's form (:func:`thinking_switch`, :func:`markers`)."""
-    return markers(thinking_switch(template) if template else None)
+    """The reasoning markers of a chat template's form (:func:`thinking_switch`): harmony's analysis channel, else
+    :data:`THINK` (also for a template without a switch)."""
+    return HARMONY_ANALYSIS if template and thinking_switch(template) == HARMONY else THINK
 
 
 def thinking_on(conv_id: str, mode: str, share: float, seed: int) -> bool | None:
@@ -142,19 +142,19 @@ def reasoning_regions(text: str, m: Markers = THINK) -> list[Region]:
 def harmony_message(tok, ids: list[int]) -> dict:
     """An assistant message of the harmony form from the ids the target wrote (``<|channel|>analysis<|message|>R
     <|end|><|start|>assistant<|channel|>final<|message|>A<|return|>``): ``{"content": A, "thinking": R}`` (each
-    decoded), as gpt-oss's template takes a turn back (its analysis rendered only for a final turn). Ids that open no
-    channel are all content; a channel cut by the budget runs to the end."""
-    special = {t: tok.convert_tokens_to_ids(t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|return|>",
-                                                         "<|call|>", "<|start|>")}
-    stops = {special[t] for t in ("<|end|>", "<|return|>", "<|call|>", "<|start|>")}
-    parts, i = {}, 0
-    while special["<|channel|>"] in ids[i:]:
-        head = ids.index(special["<|channel|>"], i) + 1
-        body = ids.index(special["<|message|>"], head) + 1 if special["<|message|>"] in ids[head:] else len(ids)
-        end = next((j for j in range(body, len(ids)) if ids[j] in stops), len(ids))
-        parts[tok.decode(ids[head : body - 1]).replace(" ", "")] = tok.decode(ids[body:end], skip_special_tokens=True)
-        i = end
-    if not parts:
+    decoded), as gpt-oss's template takes a turn back (its analysis rendered only for a final turn). A channel is
+    named by its header's ids (the tokenizer's encoding of "analysis" / "final"); other channels are dropped. Ids
+    that open no channel are all content; a channel cut by the budget runs to the end."""
+    channel, message = tok.convert_tokens_to_ids("<|channel|>"), tok.convert_tokens_to_ids("<|message|>")
+    stops = set(tok.convert_tokens_to_ids(["<|end|>", "<|return|>", "<|call|>", "<|start|>"]))
+    names = {tuple(tok(n, add_special_tokens=False)["input_ids"]): n for n in ("analysis", "final")}
+    parts, n, at = {}, len(ids), 0
+    while (head := next((j + 1 for j in range(at, n) if ids[j] == channel), None)) is not None:
+        body = next((j + 1 for j in range(head, n) if ids[j] == message), n)
+        at = next((j for j in range(body, n) if ids[j] in stops), n)  # the channel's text ends here
+        if name := names.get(tuple(ids[head : body - 1])):
+            parts[name] = tok.decode(ids[body:at], skip_special_tokens=True)
+    if not parts and channel not in ids:
         return {"content": tok.decode(ids, skip_special_tokens=True).strip()}
     return {"content": parts.get("final", "").strip(), **({"thinking": parts["analysis"].strip()}
                                                            if "analysis" in parts else {})}
@@ -171,7 +171,7 @@ def require_switch(mode: str, template: str, source: str, effort: str | None = N
     if effort and switch != HARMONY:
         raise ParamsError(f"extract.reasoning_effort: {effort}, but the target {source}'s chat template does not read "
                           "reasoning_effort (gpt-oss's harmony form): set extract.reasoning_effort: null")
-    if switch == HARMONY and (mode in ("off", "mix") or max_turns > 1):
+    if not has_off(switch) and (mode in ("off", "mix") or max_turns > 1):
         why = (f"extract.thinking: {mode}" if mode in ("off", "mix") else f"prompts.max_turns: {max_turns}")
         raise ParamsError(f"{why}, but the target {source} writes gpt-oss's harmony format: it always reasons (no off "
                           "switch; extract.reasoning_effort: low makes it reason least) and its template ends the "
