@@ -87,3 +87,11 @@ def hf(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files holding ``slow`` tests (the real engines and targets) first, each file's tests in their order:
+    pytest-xdist's ``--dist loadfile`` (README's test command) hands out whole files in this order, so the long
+    files start early and the short ones fill in at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each file's tests stay together, in order

@@ -28,7 +28,7 @@ CONVS = tiny_conversations(400)
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(target folder, the vLLM export of a draft trained on h[2, 3, 4])."""
+    """(target folder, the vLLM exports of two drafts trained on h[2, 3, 4]: the defaults' EAGLE-3.1 norms, plain)."""
     root = tmp_path_factory.mktemp("diagnose")
     target = build("llama", root / "target", hidden_size=32, intermediate_size=64, num_hidden_layers=5,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
@@ -39,7 +39,10 @@ def trained(tmp_path_factory):
                      batch_tokens=512, grad_accum=1, grad_clip=1.0, eval_fraction=0.1, checkpoint_every=1000, seed=0)
     train_drafter(root / "features", target, root / "drafter", tp, scratch_dir=root / "s")
     export_all(root / "drafter", target, root / "export", TRAINED, "vllm")
-    return target, root / "export" / "vllm"
+    plain = tp.model_copy(update={"draft_norms": []})  # the plain EAGLE-3 layer, the one ModelOpt writes
+    train_drafter(root / "features", target, root / "plain", plain, scratch_dir=root / "s_plain")
+    export_all(root / "plain", target, root / "export_plain", TRAINED, "vllm")
+    return target, root / "export" / "vllm", root / "export_plain" / "vllm"
 
 
 def _rewrite(src, dst, edit, rename=None, extra=None):
@@ -78,6 +81,19 @@ def _speculators(cfg):
             draft_config.TOP_FIELD: [1, 2, 3]}
 
 
+def _modelopt(cfg):
+    """ModelOpt's deployment export (modelopt/torch/export/plugins/hf_spec_export.py): llama fields at the top, the
+    ids nested as its training hooks read them (a forward hook on layer i's output: h[i + 1]), no EAGLE-3.1 norms."""
+    llama = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                 "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size")}
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "draft_vocab_size": 64, "tie_word_embeddings": False, **llama,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True,
+                             "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
+                             "use_mtp_layernorm": False, "next_layer_regular": True, "parallel_draft_step": 1,
+                             "parallel_draft_heads_num_layers": None}}
+
+
 def _check(d, vllm_right):
     assert d.trained_on == TRAINED, d.verdict
     assert d.margin >= d.threshold > 0 and d.candidates[0].acceptance > 0.3
@@ -85,7 +101,7 @@ def _check(d, vllm_right):
 
 
 def test_the_exported_draft_is_found_trained_on_its_stated_boundaries(trained):
-    target, export = trained
+    target, export, _ = trained
     d = diagnose(export, target, CONVS, 32, text="conversation")
     _check(d, vllm_right=True)
     assert d.engines["sglang"] == {**d.engines["sglang"], "ids": [1, 2, 3], "right": True} and d.ok
@@ -93,7 +109,7 @@ def test_the_exported_draft_is_found_trained_on_its_stated_boundaries(trained):
 
 
 def test_ids_planted_one_off_are_named_and_the_right_ones_written(trained, tmp_path, capsys):
-    target, export = trained
+    target, export, _ = trained
     folder = _rewrite(export, tmp_path / "planted", _planted)
     d = diagnose(folder, target, CONVS, 32, text="conversation")
     _check(d, vllm_right=False)
@@ -107,16 +123,31 @@ def test_ids_planted_one_off_are_named_and_the_right_ones_written(trained, tmp_p
 
 
 def test_a_folder_without_ids_is_searched(trained, tmp_path):
-    target, export = trained
+    target, export, _ = trained
     d = diagnose(_rewrite(export, tmp_path / "bare", _no_ids), target, CONVS, 32, text="conversation")
     _check(d, vllm_right=False)
 
 
 def test_a_speculators_folder_is_read_in_its_own_names(trained, tmp_path):
-    target, export = trained
+    target, export, _ = trained
     folder = _rewrite(export, tmp_path / "spec", _speculators, rename=lambda k: k.replace("midlayer.", "layers.0."),
                       extra={"embed_tokens.weight": torch.zeros(99, 32)})
     d = diagnose(folder, target, CONVS, 32, text="conversation")
     assert d.draft_format == "speculators" and "sglang" in d.engines
     _check(d, vllm_right=False)
     assert d.engines["vllm"]["feeds"] == [1, 2, 3]
+
+
+def test_a_modelopt_folder_is_read_in_its_own_names(trained, tmp_path):
+    """ModelOpt names the layer ``layers.0.*``, writes no ``t2d`` and nests its ids [1, 2, 3]: SGLang adds 1 for Llama
+    and feeds h[2, 3, 4], the trained set; vLLM's feed is not one answer (its V1 runner reads the nested ids as they
+    are, its V2 runner ignores them), so the top-level field is what it needs."""
+    target, _, plain = trained
+    folder = _rewrite(plain, tmp_path / "modelopt", _modelopt, rename=lambda k: k.replace("midlayer.", "layers.0."))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "t2d"}, str(folder / "model.safetensors"))
+    d = diagnose(folder, target, CONVS, 32, text="conversation")
+    assert d.draft_format == "modelopt" and d.engines["sglang"]["right"] is True
+    _check(d, vllm_right=False)
+    assert d.engines["sglang"]["ids"] == [1, 2, 3] and d.engines["vllm"]["feeds"] is None
+    assert (d.engines["vllm"]["field"], d.engines["vllm"]["ids"]) == (draft_config.TOP_FIELD, TRAINED)
