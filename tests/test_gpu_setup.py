@@ -253,18 +253,13 @@ def uv() -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{target}.lock"):  # one writer when pytest-xdist's workers ask at once
         if not exe.exists():
-            _install_uv(target)
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                                f"uv=={UV_VERSION}"], capture_output=True, text=True, timeout=600)
+            if r.returncode:
+                if OFFLINE.search(r.stdout + r.stderr):
+                    pytest.skip(f"package index unreachable (installing uv): {r.stderr.strip().splitlines()[-1]}")
+                raise AssertionError(f"pip could not install uv=={UV_VERSION}:\n{r.stdout}\n{r.stderr}")
     return str(exe)
-
-
-def _install_uv(target: Path) -> None:
-    """pip install uv UV_VERSION into ``target``; skips the test where the package index is unreachable."""
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        f"uv=={UV_VERSION}"], capture_output=True, text=True, timeout=600)
-    if r.returncode:
-        if OFFLINE.search(r.stdout + r.stderr):
-            pytest.skip(f"package index unreachable (installing uv): {r.stderr.strip().splitlines()[-1]}")
-        raise AssertionError(f"pip could not install uv=={UV_VERSION}:\n{r.stdout}\n{r.stderr}")
 
 
 @pytest.mark.network

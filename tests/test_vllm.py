@@ -315,16 +315,16 @@ def test_capture_with_an_in_process_engine_core(tmp_path):
     assert "SHAPES [(6, 2, 64), (4, 2, 64)]" in r.stdout
 
 
-def test_vllm_env_turns_the_unused_flashinfer_sampler_off_unless_the_user_set_it(tmp_path, monkeypatch):
+def test_vllm_env_turns_the_unused_flashinfer_sampler_off_unless_the_user_set_it(monkeypatch):
     """eaglepipe's requests never reach FlashInfer's sampler (greedy, or seeded with top_p 1.0: vLLM's native
     path), so its cold-start JIT (~90 s on the H200) is skipped; a user's own setting is kept."""
     from eaglepipe.engines.vllm import vllm_env
 
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    assert vllm_env(tmp_path)["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert vllm_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
-    assert vllm_env(tmp_path)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    assert vllm_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
 
 

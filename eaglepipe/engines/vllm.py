@@ -56,7 +56,7 @@ CONNECTOR_CLASS = "CPUHiddenStatesConnector"
 MACHINE_CACHE = Path(tempfile.gettempdir()) / "eaglepipe-vllm"  # also VLLMEngine's default work_dir
 
 
-def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None = None,
+def vllm_env(kv_cache_gib: float = 2, threads_bind: str | None = None,
              tensor_parallel_size: int = 1) -> dict[str, str]:
     """Set (and return) the environment vLLM needs here; call before importing vllm.
 
@@ -65,9 +65,9 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
     - ``VLLM_CPU_OMP_THREADS_BIND``: every core we may use, one group per tensor-parallel rank
       (:func:`cpu_groups`); vLLM's default keeps one core back, which halves throughput on a 2-core machine.
     - ``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``: the caller's where set, else one folder per machine
-      under the system temp folder (the defaults under ``~`` may be read-only), shared by every ``work_dir``:
-      vLLM's model-class inspection (vllm/model_executor/models/registry.py, ``modelinfos/``, keyed by the
-      module's hash) then runs once per architecture, not once per new ``work_dir`` (~15 s a class on a CPU).
+      under the system temp folder (the defaults under ``~`` may be read-only), shared by every engine: vLLM's
+      model-class inspection (vllm/model_executor/models/registry.py, ``modelinfos/``, keyed by the module's
+      hash) then runs once per architecture and machine.
       ``HF_HUB_OFFLINE=1``: targets and drafts are local folders; never reach for a hub.
     - ``VLLM_USE_FLASHINFER_SAMPLER=0`` unless the caller set it: eaglepipe's requests are greedy or sampled
       with per-request seeds and ``top_p=1.0``, and ``TopKTopPSampler.forward_cuda``
@@ -76,8 +76,6 @@ def vllm_env(work_dir: Path, kv_cache_gib: float = 2, threads_bind: str | None =
       instance started in 92.6 s with it off, in 182.5 s with it on).
     No-op for the CPU variables on a CUDA machine (vLLM ignores them there).
     """
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": threads_bind or cpu_groups(tensor_parallel_size),
@@ -131,7 +129,8 @@ class VLLMEngine(Engine):
             on a dense target and at tensor_parallel_size 1 first (eaglepipe/params.py, stages/target.py).
             Raises ParamsError on a CPU, where vllm-cpu 0.32 cannot run it
             (:func:`eaglepipe.engine_table.expert_parallel_refusal` names the file).
-        work_dir: writable folder for vLLM's caches and the captured files (default: system temp).
+        work_dir: writable folder for the captured files (default: :data:`MACHINE_CACHE`, which also holds vLLM's
+            caches unless VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR are set: :func:`vllm_env`).
         max_model_len: longest sequence (prompt + generation); default: vLLM's (the model's maximum).
         capture_ids: ids (vLLM meaning) that the capture instance records in addition to those asked for,
             so that later ``capture`` calls with a subset reuse it instead of restarting (~30 s each).
@@ -169,8 +168,9 @@ class VLLMEngine(Engine):
         if expert_parallel and (why := expert_parallel_refusal("vllm", torch.cuda.is_available())):
             raise ParamsError(f"expert_parallel: {why}")
         self.work_dir = Path(work_dir or MACHINE_CACHE)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         self.tensor_parallel_size = tensor_parallel_size
-        self.env = vllm_env(self.work_dir, kv_cache_gib, threads_bind, tensor_parallel_size)
+        self.env = vllm_env(kv_cache_gib, threads_bind, tensor_parallel_size)
         self.max_model_len = max_model_len
         self.capture_ids = sorted(set(capture_ids or []))
         self.enforce_eager = enforce_eager
