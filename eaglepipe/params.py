@@ -34,6 +34,8 @@ class TargetParams(_Strict):
                                                              "to data/target/")
     chat_template: str = Field("", description="a Jinja chat template for a tokenizer shipped without one (or to "
                                "replace its own), written to data/target/chat_template.jinja; '' keeps the tokenizer's")
+    unquantized: str = Field("", description="the float release of a pre-quantized target.source (a local HF folder): "
+                             "validate_offsets reports the served checkpoint's numerics gap against it; '' = none")
 
 
 class PromptsParams(_Strict):

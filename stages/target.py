@@ -1,6 +1,6 @@
 """Stage `target`: make the target an HF folder without loading a user's weights.
 
-Usage: python stages/target.py OUT_DIR METRICS_JSON
+Usage: python stages/target.py OUT_DIR METRICS_JSON UNQUANTIZED_DIR
 Reads params `target`, `extract.engine` (a pre-quantized target is refused here where the hf engine would
 capture it, offline or online), `extract.engine` and `framework` (a target one of the engines they name cannot
 capture is refused here, naming the engine file: eaglepipe/target/capture_check.py) and `tensor_parallel_size`
@@ -27,10 +27,11 @@ import torch
 from eaglepipe.errors import ParamsError
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target.capture_check import capture_uses, require_capturable
-from eaglepipe.target.checkpoint_quant import checkpoint_scheme, require_runnable
+from eaglepipe.atomic import atomic_dir
+from eaglepipe.target.checkpoint_quant import check_unquantized, checkpoint_scheme, require_runnable
 from eaglepipe.target.folder_check import check_folder, check_tokenizer
-from eaglepipe.target.info import (check_fits, load_config, materialize_target, refuse_hf_on_quantized,
-                                   require_expert_parallel, weight_bytes)
+from eaglepipe.target.info import (check_fits, load_config, materialize_target, reference_target,
+                                   refuse_hf_on_quantized, require_expert_parallel, weight_bytes)
 from eaglepipe.target.reasoning import require_switch, template_text
 
 
@@ -50,8 +51,8 @@ def check_config(p, config, source: str) -> None:
 
 def main():
     p = start("target")
-    out_dir, metrics = sys.argv[1:3]
-    source, template = Path(p.target.source), p.target.chat_template
+    out_dir, metrics, unquantized_dir = sys.argv[1:4]
+    source, template, unquantized = Path(p.target.source), p.target.chat_template, p.target.unquantized
     scheme = None  # a GGUF is dequantized here: the engines get float weights
     if source.is_dir():  # a local HF folder: checked whole before anything is written
         scheme = checkpoint_scheme(source)
@@ -60,6 +61,8 @@ def main():
         config = load_config(source)
         check_config(p, config, p.target.source)
         check_folder(source, config, config.get_text_config().vocab_size, template)
+        if unquantized:
+            check_unquantized(unquantized, p.target.source, source, scheme)
         require_switch(p.extract.thinking, template or template_text(source), p.target.source,
                        p.extract.reasoning_effort, p.prompts.max_turns)
         if torch.cuda.is_available():  # on a CPU the engines hold every rank's shard in one host's memory
@@ -72,10 +75,18 @@ def main():
             check_tokenizer(Path(out_dir), template)
             require_switch(p.extract.thinking, template_text(out_dir), p.target.source, p.extract.reasoning_effort,
                            p.prompts.max_turns)
+            if unquantized:
+                check_unquantized(unquantized, p.target.source, out_dir, scheme)
         except ParamsError:
             shutil.rmtree(out_dir)
             raise
-    write_metrics(metrics, {**asdict(info), **({"quantization": scheme} if scheme else {})})
+    if unquantized:
+        reference_target(Path(unquantized), Path(unquantized_dir))
+    else:
+        with atomic_dir(unquantized_dir):
+            pass  # an empty folder: nothing to compare against
+    write_metrics(metrics, {**asdict(info), **({"quantization": scheme} if scheme else {}),
+                            **({"unquantized": unquantized} if unquantized else {})})
 
 
 if __name__ == "__main__":

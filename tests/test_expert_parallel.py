@@ -122,7 +122,7 @@ def test_the_target_stage_refuses_expert_parallel_before_writing_anything(tmp_pa
     raw["target"]["source"] = str(src)
     raw["extract"]["engine"] = "vllm"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
-    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json", "unq"], cwd=tmp_path,
                        capture_output=True, text=True, check=False)
     assert r.returncode == 2 and not (tmp_path / "out").exists(), r.stderr[-2000:]
     assert "expert_parallel: true cannot run on this machine's CPU: extract.engine: vllm, framework: vllm" in r.stderr

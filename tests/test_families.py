@@ -50,7 +50,7 @@ def _run_target_stage(tmp_path: Path, source: Path, **extract) -> subprocess.Com
     params["framework"] = extract.pop("framework", params["framework"])
     params["extract"].update(extract)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    return subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
+    return subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json", "unq"], cwd=tmp_path,
                           capture_output=True, text=True)
 
 

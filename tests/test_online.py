@@ -394,8 +394,9 @@ def test_validate_offsets_stage_gates_a_tokens_store(stores, peaked_target, tmp_
     params["validate"]["samples"] = GATE
     params["extract"]["store"] = "tokens"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "unq").mkdir()  # no target.unquantized
     r = subprocess.run([sys.executable, str(REPO / "stages" / "validate_offsets.py"), str(peaked_target),
-                        str(stores["tokens"]), "validated.json", "offsets.json", "report.json", "cosine.csv"],
+                        str(stores["tokens"]), "validated.json", "offsets.json", "report.json", "cosine.csv", "unq"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "offsets.json").read_text())["verdict"] == "ok"
@@ -403,7 +404,7 @@ def test_validate_offsets_stage_gates_a_tokens_store(stores, peaked_target, tmp_
     params["validate"]["samples"] = GATE + 1  # more than extract stored: refused, naming validate.samples
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = subprocess.run([sys.executable, str(REPO / "stages" / "validate_offsets.py"), str(peaked_target),
-                        str(stores["tokens"]), "v2.json", "o2.json", "r2.json", "c2.csv"],
+                        str(stores["tokens"]), "v2.json", "o2.json", "r2.json", "c2.csv", "unq"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "validate.samples" in r.stderr and not (tmp_path / "v2.json").exists()
 

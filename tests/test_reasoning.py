@@ -170,8 +170,8 @@ def test_a_template_without_a_switch_is_refused_at_the_target_stage(tmp_path, ti
     params = _params(**{"extract.thinking": "mix"})
     params["target"]["source"] = str(tiny_target)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path, check=False,
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json", "unq"], cwd=tmp_path,
+                       check=False, capture_output=True, text=True)
     assert r.returncode == 2 and "enable_thinking" in r.stderr and "jinja2.meta" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 
@@ -192,7 +192,7 @@ def test_what_a_harmony_template_cannot_do_is_refused_at_the_target_stage(tmp_pa
     params = _params(**over)
     params["target"]["source"] = str(harmony_target if harmony else tiny_target)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json", "unq"], cwd=tmp_path,
                        check=False, capture_output=True, text=True)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()

@@ -33,7 +33,7 @@ def _run_stage(cwd: Path, source: Path, **extract) -> subprocess.CompletedProces
     wrapper = ("import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
                "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
                "finally:\n    open('rss', 'w').write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))\n")
-    return subprocess.run([sys.executable, "-c", wrapper, str(REPO / "stages/target.py"), "out", "target.json"],
+    return subprocess.run([sys.executable, "-c", wrapper, str(REPO / "stages/target.py"), "out", "target.json", "unq"],
                           cwd=cwd, capture_output=True, text=True)
 
 

@@ -111,6 +111,30 @@ def test_real_numerics_gap_is_named_at_offset_0_with_its_size(engine, bf16_engin
     assert loose.ok  # the defaults accept a bf16 serving engine on fp32 features
 
 
+def test_features_captured_as_served_pass_and_the_gap_to_the_float_model_is_reported(engine, bf16_engine):
+    """A checkpoint served with other numerics (here the bf16 engine stands in for a quantized one) whose features
+    were captured as served: the gate passes, and the gap to the float model (the fp32 engine: target.unquantized)
+    is measured and said, not failed."""
+    from eaglepipe.contract.validate import reference_capture
+
+    caps = bf16_engine.capture(SEQS, [2, 4])
+    served = [FeatureSample(f"s{i}", torch.tensor(s), torch.ones(len(s), dtype=torch.bool), c[:, :1], c[:, 1])
+              for i, (s, c) in enumerate(zip(SEQS, caps))]
+    ref = reference_capture(engine, "llama", 4, [2], served, "float release (target.unquantized)")
+    rep = check_offsets(bf16_engine, "llama", 4, [2], served, search=2, min_cosine=0.999999, max_rel_l2=1e-3,
+                        reference=ref)
+    rep.checkpoint = "W8A8"
+    (r,) = rep.layers
+    assert rep.ok and r.rel_l2 < 1e-6 and 1e-3 < r.gap_rel_l2 < 0.05  # bf16 against fp32: measured, not planted
+    assert r.ref_rel_l2 == pytest.approx(r.gap_rel_l2, rel=1e-3)  # the stored features are the served ones
+    c = rep.compact()
+    assert (c["verdict"], c["checkpoint"]) == ("ok", "W8A8") and c["max_gap_rel_l2"] == round(r.gap_rel_l2, 6)
+    note = rep.gap_note()
+    assert note.startswith("numerics gap of the served hf (W8A8, bfloat16) target against hf ")
+    assert "float32, float release (target.unquantized)" in note and f"relative L2 {r.gap_rel_l2:.3g}" in note
+    assert check_offsets(engine, "llama", 4, [2], served, search=2, min_cosine=0.999).gap_note() == ""
+
+
 @pytest.mark.parametrize("planted", [-1, 1])
 def test_planted_offset_is_still_an_offset_through_a_numerics_gap(bf16_engine, stored_fp32, monkeypatch, planted):
     real = convention.engine_ids

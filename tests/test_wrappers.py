@@ -130,7 +130,7 @@ def test_the_target_stage_takes_a_qwen_vl_wrapper_for_both_engines(tmp_path, qwe
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         **yaml.safe_load((REPO / "params.yaml").read_text()), "framework": "vllm",
         "target": {**yaml.safe_load((REPO / "params.yaml").read_text())["target"], "source": str(qwen_vl)}}))
-    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, str(REPO / "stages/target.py"), "out", "target.json", "unq"], cwd=tmp_path,
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     info = json.loads((tmp_path / "target.json").read_text())

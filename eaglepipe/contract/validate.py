@@ -18,7 +18,8 @@ Offset or numerics: when the best match is at d = 0 but cosine < ``min_cosine`` 
 extract's engine (a quantized target, other kernels or dtype), a "numerics gap, offset 0". With a
 :class:`ReferenceCapture` by the same engine unquantized (validate.quantization + validate.reference), each
 layer also gets the stored features against that capture and the quantized capture against it: the gap's
-size against the engine's own unquantized numerics.
+size against the engine's own unquantized numerics. A pre-quantized checkpoint (``OffsetReport.checkpoint``) is
+compared the same way with its float release (``target.unquantized``) served by the same engine.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class ReferenceCapture:
     engine_version: str | None
     dtype: str
     caps: list[torch.Tensor]  # per sample float32 (T, L, H), the stored layers' exported ids in order
+    what: str = "unquantized"  # what was captured, e.g. "float release (target.unquantized)"
 
 
 @dataclass
@@ -78,6 +80,7 @@ class OffsetReport:
     engine_dtype: str | None = None
     reference: str | None = None  # what the ref_* / gap_* figures compare against, e.g. "vllm 0.32.0 bfloat16"
     min_match_cosine: float = 0.9  # a layer whose best cosine within ±search is below this matches nothing
+    checkpoint: str | None = None  # the scheme a pre-quantized target ships (e.g. "W8A8"), served by its kernels
 
     def _unmatched(self, r: LayerReport) -> bool:
         return r.best_cosine < self.min_match_cosine
@@ -129,10 +132,29 @@ class OffsetReport:
         out["max_rel_l2_at_0"] = round(max(r.rel_l2 for r in self.layers), 6)
         if self.quantization is not None:
             out["quantization"] = self.quantization
-        gaps = [r.gap_cosine for r in self.layers if r.gap_cosine is not None]
-        if gaps:
-            out["min_gap_cosine"] = round(min(gaps), 6)  # quantized vs unquantized capture, worst layer
+        if self.checkpoint is not None:
+            out["checkpoint"] = self.checkpoint
+        gaps = [r for r in self.layers if r.gap_cosine is not None]
+        if gaps:  # quantized vs unquantized capture, worst layer
+            out["min_gap_cosine"] = round(min(r.gap_cosine for r in gaps), 6)
+            out["max_gap_rel_l2"] = round(max(r.gap_rel_l2 for r in gaps), 6)
         return out
+
+    def _served(self) -> str:
+        return f"{self.engine} ({', '.join(x for x in (self.checkpoint, self.quantization, self.engine_dtype) if x)})"
+
+    def gap_note(self) -> str:
+        """With a reference capture: how far the served (quantized) states are from the unquantized ones, worst
+        layer, and what that means for a draft trained on either (empty without a reference)."""
+        gaps = [r for r in self.layers if r.gap_cosine is not None]
+        if not gaps:
+            return ""
+        worst = min(gaps, key=lambda r: r.gap_cosine)
+        return (f"numerics gap of the served {self._served()} target against {self.reference}: worst at "
+                f"h[{worst.boundary}], cosine {worst.gap_cosine:.6f}, relative L2 {worst.gap_rel_l2:.3g} (the stored "
+                f"features against the served capture: cosine {worst.cosine:.6f}, relative L2 {worst.rel_l2:.3g}). A "
+                f"draft trained on features of the unquantized model sees this gap when served; one trained on "
+                f"features captured as served does not.")
 
     def message(self) -> str:
         """An actionable explanation of every problem (empty when ok)."""
@@ -170,7 +192,7 @@ class OffsetReport:
 
     def _numerics_line(self, r: LayerReport, where: str) -> str:
         """One layer best matched at d = 0 but not closely: the numerics gap, its size, and the fix."""
-        served = f"{self.engine} ({', '.join(x for x in (self.quantization, self.engine_dtype) if x)})"
+        served = self._served()
         why = []
         if r.cosine < self.min_cosine:
             why.append(f"cosine {r.cosine:.6f} < validate.min_cosine {self.min_cosine}")
@@ -182,11 +204,12 @@ class OffsetReport:
                 f"— {where} computes this layer differently (kernels, dtype, quantization path) from extract's "
                 f"engine.")
         if r.gap_cosine is not None:
+            cause = "quantization" if self.quantization or self.checkpoint else "serving setting"
             line += (f" Against {self.reference or 'the unquantized engine'}: the stored features "
                      f"match it at cosine {r.ref_cosine:.6f} (relative L2 {r.ref_rel_l2:.3g}), and the "
                      f"{served} capture differs from it by cosine {r.gap_cosine:.6f} (relative L2 "
                      f"{r.gap_rel_l2:.3g}): " + (
-                         f"the gap is the {'quantization' if self.quantization else 'serving setting'}'s."
+                         f"the gap is the {cause}'s."
                          if r.gap_rel_l2 >= 0.5 * r.rel_l2 else
                          "most of the gap is there unquantized too (extract's engine/dtype against this one's)."))
         fix = ", ".join([f"extract.engine = {self.engine}"]
@@ -286,7 +309,7 @@ def check_offsets(
         for j, r in enumerate(reports):
             r.ref_cosine, r.ref_rel_l2 = cosine_rel_l2(stored[:, j], ref[:, j])
             r.gap_cosine, r.gap_rel_l2 = cosine_rel_l2(ref[:, j], got[:, col[fed[j]]])
-        ref_name = f"{reference.engine} {reference.engine_version or '?'} {reference.dtype}, unquantized"
+        ref_name = f"{reference.engine} {reference.engine_version or '?'} {reference.dtype}, {reference.what}"
     rep = OffsetReport(engine.name, engine.version, family, len(samples), int(stored.shape[0]), min_cosine, reports,
                        max_rel_l2, getattr(engine, "quantization", None), getattr(engine, "dtype", None), ref_name,
                        min_match_cosine)
@@ -296,13 +319,14 @@ def check_offsets(
     return rep
 
 
-def reference_capture(engine, family: str, n_layers: int, layers: list[int],
-                      samples: list[FeatureSample]) -> ReferenceCapture:
-    """``samples`` captured by ``engine`` (the serving engine, unquantized) at the ids the export writes."""
+def reference_capture(engine, family: str, n_layers: int, layers: list[int], samples: list[FeatureSample],
+                      what: str = "unquantized") -> ReferenceCapture:
+    """``samples`` captured by ``engine`` (the serving engine, unquantized; ``what`` names it in the report) at the
+    ids the export writes."""
     assert getattr(engine, "quantization", None) is None, "a reference capture is the unquantized engine's"
     ids = convention.engine_ids(engine.name, family, layers, n_layers)
     caps = engine.capture([s.input_ids.tolist() for s in samples], ids)  # per sample (T, L, H)
-    return ReferenceCapture(engine.name, engine.version, engine.dtype, caps)
+    return ReferenceCapture(engine.name, engine.version, engine.dtype, caps, what)
 
 
 def require_ok(rep: OffsetReport) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglepipe.errors import ParamsError
-from eaglepipe.target.config import lm_fields, read_target_config
+from eaglepipe.target.config import has_config, lm_fields, read_target_config
 
 WNA16_METHODS = ("gptq", "awq", "gptq_marlin", "awq_marlin", "auto_gptq", "auto_awq")  # CPUWNA16 on a vLLM CPU
 
@@ -95,3 +95,34 @@ def require_runnable(source: str | Path, scheme: dict | None, engines: dict[str,
         "so vllm/platforms/cpu.py loads vllm/_C_AVX2.abi3.so, which does not register it. Asked for by "
         f"{', '.join(engines['vllm'])}. Use an int8 W8A8 or FP8 checkpoint of the model here, or run on an AVX-512 "
         "CPU or a GPU")
+
+
+
+PAIRED_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")  # the same model, stored otherwise
+
+
+def check_unquantized(unquantized: str, source: str, target_dir: str | Path, scheme: dict | None) -> None:
+    """Refuse ``target.unquantized`` unless it is the float release of the quantized ``target.source``.
+
+    ``source``: ``target.source`` (a pre-quantized HF folder, whose ``scheme`` is :func:`checkpoint_scheme`'s, or a
+    ``.gguf``); ``target_dir``: the materialized target (a GGUF's config exists only there). The unquantized folder
+    is the baseline the served checkpoint's numerics gap is measured against (``validate_offsets``), so it must be a
+    local HF folder of float weights with the same language model (:data:`PAIRED_FIELDS`, a wrapper's read from its
+    ``text_config``). Raises ParamsError naming what differs.
+    """
+    u = Path(unquantized)
+    if scheme is None and not source.endswith(".gguf"):
+        raise ParamsError(f"target.unquantized is set but target.source {source!r} ships float weights: there is "
+                          "no quantization gap to measure. Set target.unquantized: '' or point target.source at "
+                          "the quantized checkpoint")
+    if not has_config(u):
+        raise ParamsError(f"target.unquantized {unquantized!r}: not a local HF folder with a config.json")
+    own = checkpoint_scheme(u)
+    if own is not None:
+        raise ParamsError(f"target.unquantized {unquantized!r} ships {own['name']} weights itself; give the "
+                          "model's float (bf16, fp16 or fp32) release")
+    want, got = lm_fields(read_target_config(target_dir)), lm_fields(read_target_config(u))
+    diff = [f"{k} {got.get(k)!r} (target.source: {want.get(k)!r})" for k in PAIRED_FIELDS if got.get(k) != want.get(k)]
+    if diff:
+        raise ParamsError(f"target.unquantized {unquantized!r} is not the model of target.source: {'; '.join(diff)}. "
+                          "Give the float release the checkpoint was quantized from")

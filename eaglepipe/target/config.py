@@ -25,6 +25,11 @@ def read_target_config(path: str | Path) -> dict:
     return read_json(path / CONFIG_FILE if path.is_dir() else path)
 
 
+def has_config(folder: str | Path) -> bool:
+    """Whether ``folder`` is an HF model folder (holds a ``config.json``)."""
+    return (Path(folder) / CONFIG_FILE).is_file()
+
+
 def read_json(file: str | Path) -> dict:
     """A JSON file's content. Raises EaglepipeError when it is missing or not valid JSON (one line, no traceback)."""
     file = Path(file)
