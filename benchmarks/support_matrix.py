@@ -5,8 +5,10 @@ Usage: python benchmarks/support_matrix.py [--out metrics/support_matrix.json] [
 ``--merge`` replaces only the rows of ``--families`` in the existing ``--out`` (same engine versions required) and
 adds this run's seconds to its total, so new families are measured without rerunning the others.
 
-For each family of :data:`eaglepipe.target.tiny.FAMILIES` (N = 6, layers h[2], h[3], h[4]): the target
-stage (materialize_target), extract through hf (stored features), train a few steps, export_all, and
+For each family of :data:`eaglepipe.target.tiny.FAMILIES` and each target of :data:`WRAPPED` (multimodal wrappers
+and pre-quantized checkpoints; N = 6, layers h[2], h[3], h[4]): the target stage (materialize_target), extract
+(stored features: through hf, or for a pre-quantized checkpoint through vLLM, its serving kernels, since the hf
+engine is refused for it), train a few steps, export_all, and
 ``eaglepipe inspect`` on the vLLM folder; then, per engine, that engine's own capture with the exported ids
 (in a subprocess with a time limit, so one engine crashing on one family costs one row) compared with the
 stored features by validate_offsets' check (offset search ±1). Rows::
@@ -38,7 +40,8 @@ sys.path.insert(0, str(REPO))
 
 from eaglepipe.engine_table import NAMES as ENGINES  # noqa: E402
 from eaglepipe.errors import EaglepipeError  # noqa: E402
-from eaglepipe.target.tiny import FAMILIES, build, tiny_conversations  # noqa: E402
+from eaglepipe.target.tiny import (FAMILIES, build, build_compressed, build_kimi_k25, build_qwen2_5_vl,  # noqa: E402
+                                   tiny_conversations)
 
 LAYERS = [2, 3, 4]
 MIN_COSINE = 0.999
@@ -46,6 +49,20 @@ TIMEOUT_S = 420
 WHERE_ELSE = {"sglang": "a CUDA machine with sglang-kernel, where the CUDA and triton kernels SGLang calls run "
                          "(flashinfer/fa3/triton attention for MLA and attention sinks, triton fused MoE gates)",
               "vllm": "a CUDA machine with vLLM"}
+
+
+def _compressed(scheme: str):
+    def make(out: Path) -> Path:  # the tiny llama, then quantized as llmcompressor saves it
+        return build_compressed(build("llama", out.parent / "float"), out, scheme)
+    return make
+
+
+WRAPPED = {  # target → (builder of its folder, the engine that extracts its features)
+    "qwen2_5_vl": (build_qwen2_5_vl, "hf"),
+    "kimi_k25": (build_kimi_k25, "hf"),
+    "llama-w8a8": (_compressed("W8A8"), "vllm"),
+    "llama-fp8": (_compressed("FP8_DYNAMIC"), "vllm"),
+}
 
 
 def _conversations(n: int) -> list[dict]:
@@ -61,8 +78,9 @@ def prepare(name: str, work: Path) -> dict:
     from eaglepipe.target.info import materialize_target
     from eaglepipe.train.loop import train_drafter
 
-    info = materialize_target(str(build(name, work / "src")), work / "target")
-    p = ExtractParams(engine="hf", regenerate=False, batch_size=4, max_length=64, dtype="float32", shard_size=8)
+    make, engine = WRAPPED.get(name, (lambda out: build(name, out), "hf"))
+    info = materialize_target(str(make(work / "src")), work / "target")
+    p = ExtractParams(engine=engine, regenerate=False, batch_size=4, max_length=64, dtype="float32", shard_size=8)
     extract(_conversations(8), work / "target", info, LAYERS, p, work / "features", work / "scratch", name)
     tp = TrainParams(draft_vocab_size=64, epochs=1, batch_tokens=128, warmup_steps=1, eval_fraction=0.25)
     train_drafter(work / "features", work / "target", work / "drafter", tp, scratch_dir=work / "scratch_train")
@@ -103,7 +121,8 @@ def _row(summary: dict, engine: str, status: str, reason: str = "", **kw) -> dic
             "ids": kw.get("ids"), "seconds": kw.get("seconds")}
 
 
-_ERR = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?(\w+(?:Error|Exception)): (.+)$")
+_ERR = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?(\w+(?:Error|Exception)):(?: (.*))?$")
+WRAPPERS = ("Error raised in subprocess",)  # vLLM's registry re-raising a subprocess's error: its cause follows
 _FILE = re.compile(r'File ".*?site-packages/([^"]+)", line (\d+), in (\w+)')
 
 
@@ -111,13 +130,15 @@ def _root_cause(text: str) -> str:
     """The first exception raised inside the engine (not eaglepipe's wrapper), with the engine source line."""
     lines = [ln.strip() for ln in text.splitlines()]
     where = ""
-    for ln in lines:
+    for i, ln in enumerate(lines):
         f = _FILE.search(ln)
         if f:
             where = f"{f.group(1)}:{f.group(2)} {f.group(3)}"
         m = _ERR.match(ln)
         if m and m.group(1) not in ("SGLangError", "EaglepipeError") and "initialization failed" not in ln:
-            return f"{m.group(1)}: {m.group(2)[:300]} ({where})"
+            said = m.group(2) or next((x for x in lines[i + 1:] if x), "")  # transformers' ImportError: text below
+            if not said.startswith(WRAPPERS):
+                return f"{m.group(1)}: {said[:300]} ({where})"
     tail = [ln for ln in lines if ln]
     return (tail[-1] if tail else "no output")[:400]
 
@@ -127,6 +148,12 @@ def run_engine(summary: dict, engine: str, work: Path) -> dict:
     plan = summary["export"].get(engine)
     if plan is not None and not plan["exported"]:
         return _row(summary, engine, "refused", plan["reason"])
+    if engine == "hf":
+        from eaglepipe.target.info import refuse_hf_on_quantized
+        try:
+            refuse_hf_on_quantized(work / "target", ["its capture here"])
+        except EaglepipeError as e:
+            return _row(summary, engine, "refused", str(e))
     t0 = time.perf_counter()
     cmd = [sys.executable, __file__, "--verify", engine, str(work)]
     try:
@@ -149,7 +176,7 @@ def run_engine(summary: dict, engine: str, work: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(REPO / "metrics" / "support_matrix.json"))
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join([*FAMILIES, *WRAPPED]))
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--verify", nargs=2, metavar=("ENGINE", "WORK"))
     ap.add_argument("--merge", action="store_true", help="replace only these families' rows in --out")
@@ -162,7 +189,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="support_matrix_") as tmp:
         for name in a.families.split(","):
             work = Path(tmp) / name
-            summary = {"name": name, "rope_type": FAMILIES[name][3]}
+            summary = {"name": name, "rope_type": FAMILIES[name][3] if name in FAMILIES else None}
             try:
                 summary.update(prepare(name, work))
             except EaglepipeError as e:
@@ -183,6 +210,8 @@ def main() -> None:
            "seconds": round(time.perf_counter() - t_all, 1), "versions": _versions(), "rows": rows}
     if a.merge:
         doc = merge(json.loads(Path(a.out).read_text()), doc)
+    for r in doc["rows"]:  # the run's temporary folder says nothing: the target's own name stays
+        r["reason"] = re.sub(r"/\S*?/support_matrix_[^/]+/", "", r["reason"] or "") or r["reason"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
 

@@ -31,7 +31,8 @@ def render(doc: dict) -> str:
     head = [f"{ENGINE_NAMES.get(e, e)} {versions.get(e) or ''}".strip() for e in engines]
     lines = [f"Measured by `{doc['produced_by']}` ({doc['seconds']:.0f} s over its runs on a 2-core CPU "
              "machine; `--merge` adds families): tiny random "
-             f"targets (N = 6), layers h{doc['layers']}, target → extract (hf) → train → export → inspect, then "
+             f"targets (N = 6), layers h{doc['layers']}, target → extract (hf; vLLM for a pre-quantized "
+             "checkpoint) → train → export → inspect, then "
              f"each engine's own capture with the exported ids against the stored features "
              f"(verified = offset 0, cosine ≥ {doc['min_cosine']}).", "",
              "| target | family | RoPE | " + " | ".join(head) + " |",

@@ -234,11 +234,16 @@ def test_readme_support_matrix_is_rendered_from_the_json():
     vllm = {r["target"]: r for r in doc["rows"] if r["engine"] == "vllm"}
     assert sorted(vllm) == sorted(["llama", "llama-llama3", "qwen2", "qwen3", "mistral", "gpt_oss", "deepseek_v3",
                                    "kimi_k2", "qwen2-yarn", "phi3", "granite", "olmo2", "qwen3_moe", "gemma3",
-                                   "qwen2_moe"])
-    served = {t: r for t, r in vllm.items() if t not in ("gemma3", "qwen2_moe")}
+                                   "qwen2_moe", "kimi_k25", "qwen2_5_vl", "llama-w8a8", "llama-fp8"])
+    served = {t: r for t, r in vllm.items() if t not in ("gemma3", "qwen2_moe", "qwen2_5_vl")}
     assert all(r["status"] == "verified" and r["offset"] == 0 and r["min_cosine"] >= 0.999 for r in served.values())
     # families no rule lists: each engine's own code decides, and a refusal names the engine file
     rows = {(r["target"], r["engine"]): r for r in doc["rows"]}
+    # wrappers and pre-quantized checkpoints: the hf engine refuses a checkpoint it would not run as served
+    for name in ("llama-w8a8", "llama-fp8"):
+        assert rows[(name, "hf")]["status"] == "refused" and "compressed-tensors" in rows[(name, "hf")]["reason"]
+    assert "torchvision" in rows[("qwen2_5_vl", "vllm")]["reason"] and rows[("qwen2_5_vl", "hf")]["ids"] == [2, 3, 4]
+    assert not any("support_matrix_" in r["reason"] for r in doc["rows"] if r["reason"])
     assert rows[("phi3", "sglang")]["status"] == "verified" and rows[("phi3", "sglang")]["ids"] == [1, 2, 3]
     for name in ("granite", "olmo2"):
         assert rows[(name, "sglang")]["status"] == "refused"
