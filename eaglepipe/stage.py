@@ -15,9 +15,9 @@ from eaglepipe.params import Params, load_params
 
 # The pipeline's outputs that stages read, and the stage that writes each (dvc.yaml's outs; tests/test_stage_inputs.py
 # checks the two agree).
-WRITTEN_BY = {"data/params_ok.json": "check_params", "data/target": "target", "data/prompts": "prompts",
-              "data/features": "extract", "data/validated.json": "validate_offsets", "data/drafter": "train_drafter",
-              "data/export": "export"}
+WRITTEN_BY = {"data/params_ok.json": "check_params", "data/target": "target", "data/unquantized": "target",
+              "data/prompts": "prompts", "data/features": "extract", "data/validated.json": "validate_offsets",
+              "data/drafter": "train_drafter", "data/export": "export"}
 
 
 def writer_of(path: str | Path) -> str | None:

@@ -14,7 +14,10 @@ eaglepipe/target/info.py require_expert_parallel); writes OUT_DIR
 (config, tokenizer + chat template, the weights linked or a GGUF dequantized) and METRICS_JSON (N, hidden size,
 vocab, dtype, content hash, and a pre-quantized folder's scheme as ``quantization``). A local folder is checked
 whole first (eaglepipe/target/folder_check.py: weight files and their headers, tensor names, tokenizer and chat
-template or `target.chat_template`, generation config).
+template or `target.chat_template`, generation config). UNQUANTIZED_DIR holds `target.unquantized`, the float
+release of a pre-quantized target (checked to be the same model, then config and tokenizer copied and weights linked:
+eaglepipe/target/checkpoint_quant.py check_unquantized), the baseline `validate_offsets` measures the served
+checkpoint's numerics gap against; when unset, only a file UNSET.
 """
 
 import shutil
@@ -82,9 +85,9 @@ def main():
             raise
     if unquantized:
         reference_target(Path(unquantized), Path(unquantized_dir))
-    else:
-        with atomic_dir(unquantized_dir):
-            pass  # an empty folder: nothing to compare against
+    else:  # nothing to compare against; a file, since DVC warns of an empty out
+        with atomic_dir(unquantized_dir) as tmp:
+            (tmp / "UNSET").write_text("target.unquantized is unset\n")
     write_metrics(metrics, {**asdict(info), **({"quantization": scheme} if scheme else {}),
                             **({"unquantized": unquantized} if unquantized else {})})
 

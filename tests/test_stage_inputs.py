@@ -60,7 +60,7 @@ def _sharded(folder: Path) -> Path:
 
 
 def _target(cwd: Path, source: Path, **target) -> subprocess.CompletedProcess:
-    return _stage(cwd, "target", "out", "target.json", target={"source": str(source), **target},
+    return _stage(cwd, "target", "out", "target.json", "unq", target={"source": str(source), **target},
                   extract={"engine": "hf"})
 
 
@@ -171,7 +171,7 @@ def test_writer_of_is_dvc_yamls_outs():
 READS = {
     "extract": (["data/target", "data/prompts/train.jsonl", "data/features", "reports/extract.json"], [0, 1]),
     "validate_offsets": (["data/target", "data/features", "data/validated.json", "metrics/offsets.json",
-                          "reports/offsets.json", "metrics/offsets_cosine.csv"], [0, 1]),
+                          "reports/offsets.json", "metrics/offsets_cosine.csv", "data/unquantized"], [0, 1, 6]),
     "train_drafter": (["data/features", "data/target", "data/drafter", "metrics/train.json", "reports/train.json",
                        "dvclive"], [0, 1]),
     "export": (["data/target", "data/drafter", "data/export"], [0, 1]),
