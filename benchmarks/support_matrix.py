@@ -211,7 +211,8 @@ def main() -> None:
     if a.merge:
         doc = merge(json.loads(Path(a.out).read_text()), doc)
     for r in doc["rows"]:  # the run's temporary folder says nothing: the target's own name stays
-        r["reason"] = re.sub(r"/\S*?/support_matrix_[^/]+/", "", r["reason"] or "") or r["reason"]
+        if r["reason"]:
+            r["reason"] = re.sub(r"/\S*?/support_matrix_[^/]+/", "", r["reason"])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from eaglepipe.atomic import atomic_dir
 from eaglepipe.errors import ParamsError
 from eaglepipe.stage import run, start, write_metrics
 from eaglepipe.target.capture_check import capture_uses, require_capturable
-from eaglepipe.atomic import atomic_dir
 from eaglepipe.target.checkpoint_quant import check_unquantized, checkpoint_scheme, require_runnable
 from eaglepipe.target.folder_check import check_folder, check_tokenizer
 from eaglepipe.target.info import (check_fits, load_config, materialize_target, reference_target,

@@ -40,22 +40,21 @@ def main():
     family = info.family
     require_servable(p.framework, family, info.n_layers, p.layers)  # exit 2, nearest lists named, before capture
     v, samples, ref = p.validate_, fs.take(p.validate_.samples), None
-    if has_config(unquantized):  # a pre-quantized target's float release, served the same way
-        with get_engine(p.framework, unquantized, dtype=v.engine_dtype, info=read_info(unquantized, hash_weights=False),
+    # the baseline a numerics gap is measured against, served by the same engine unquantized: a pre-quantized
+    # target's float release, else with validate.quantization the target itself
+    baseline, what = ((unquantized, "float release (target.unquantized)") if has_config(unquantized) else
+                      (target_dir, "unquantized") if v.quantization and v.reference else (None, None))
+    if baseline:
+        with get_engine(p.framework, baseline, dtype=v.engine_dtype, info=read_info(baseline, hash_weights=False),
                         tensor_parallel_size=p.tensor_parallel_size, expert_parallel=p.expert_parallel) as engine:
-            ref = reference_capture(engine, family, fs.n_layers, fs.layers, samples,
-                                    "float release (target.unquantized)")
-    elif v.quantization and v.reference:  # the same engine unquantized: the baseline the gap is measured against
-        with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info,
-                        tensor_parallel_size=p.tensor_parallel_size, expert_parallel=p.expert_parallel) as engine:
-            ref = reference_capture(engine, family, fs.n_layers, fs.layers, samples)
+            ref = reference_capture(engine, family, fs.n_layers, fs.layers, samples, what)
     with get_engine(p.framework, target_dir, dtype=v.engine_dtype, info=info, quantization=v.quantization,
                     tensor_parallel_size=p.tensor_parallel_size, expert_parallel=p.expert_parallel) as engine:
         rep = check_offsets(engine, family, fs.n_layers, fs.layers, samples, v.search, v.min_cosine,
                             v.max_rel_l2, ref, v.min_match_cosine)
     rep.checkpoint = (checkpoint_scheme(target_dir) or {}).get("name")
-    if rep.gap_note():
-        log.info(rep.gap_note())
+    if note := rep.gap_note():
+        log.info(note)
     write_metrics(report_json, rep.to_json())
     write_metrics(metrics, rep.compact())
     cosine_csv.parent.mkdir(parents=True, exist_ok=True)

@@ -134,11 +134,15 @@ class OffsetReport:
             out["quantization"] = self.quantization
         if self.checkpoint is not None:
             out["checkpoint"] = self.checkpoint
-        gaps = [r for r in self.layers if r.gap_cosine is not None]
+        gaps = self._gapped()
         if gaps:  # quantized vs unquantized capture, worst layer
             out["min_gap_cosine"] = round(min(r.gap_cosine for r in gaps), 6)
             out["max_gap_rel_l2"] = round(max(r.gap_rel_l2 for r in gaps), 6)
         return out
+
+    def _gapped(self) -> list[LayerReport]:
+        """The layers measured against a reference capture (all of them with one, else none)."""
+        return [r for r in self.layers if r.gap_cosine is not None]
 
     def _served(self) -> str:
         return f"{self.engine} ({', '.join(x for x in (self.checkpoint, self.quantization, self.engine_dtype) if x)})"
@@ -146,7 +150,7 @@ class OffsetReport:
     def gap_note(self) -> str:
         """With a reference capture: how far the served (quantized) states are from the unquantized ones, worst
         layer, and what that means for a draft trained on either (empty without a reference)."""
-        gaps = [r for r in self.layers if r.gap_cosine is not None]
+        gaps = self._gapped()
         if not gaps:
             return ""
         worst = min(gaps, key=lambda r: r.gap_cosine)

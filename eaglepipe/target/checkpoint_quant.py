@@ -98,7 +98,6 @@ def require_runnable(source: str | Path, scheme: dict | None, engines: dict[str,
         "CPU or a GPU")
 
 
-
 PAIRED_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")  # the same model, stored otherwise
 
 
