@@ -18,6 +18,7 @@
 # (default 8000) conversations, SYNTH (default 0) more written by the target itself (GEN_BATCH rows a generate
 # batch). `features-bg` runs features in the background (past one call's 10 minutes); `features-wait` waits for it
 # in later calls.
+# EPOCHS (default 6): every recipe's epochs.
 # Ablations: EP_SETS='; train.lr=0.001; train.step_decay=1.0' train-eaglepipe trains the defaults and two
 # variants, one process each; SPEC_SETS='optimizer=adamw' likewise; HUMANEVAL=0 judge scores MT-bench only.
 # The tests as setup.sh's machine runs them: wheels (pip download --no-deps, cp312 manylinux) of dvc, dvclive, the
@@ -38,7 +39,7 @@ FEATURES_SET="$FEATURES_SET prompts.synthetic=${SYNTH:-0}"  # SYNTH: conversatio
 REGEN_SET="regenerate=true extract.regenerate_engine=hf extract.batch_size=${GEN_BATCH:-256}"
 [ "${REGEN:-0}" = 1 ] && FEATURES_SET="${FEATURES_SET/regenerate=false/$REGEN_SET}"
 PQ="python3 benchmarks/peers_quality.py --profile profiles/gpu.yaml --peer-path /tmp/site --work $W
-    --mtbench 80 --max-new 128 --out $W/peers_quality.json"
+    --mtbench 80 --max-new 128 --epochs ${EPOCHS:-6} --out $W/peers_quality.json"
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONPATH="$PWD:$PKG:/tmp/site"
 
