@@ -77,6 +77,28 @@ def test_the_target_stage_links_the_float_release_it_is_told_of(float_target, tm
     assert r.returncode == 0 and [f.name for f in (tmp_path / "unq").iterdir()] == ["UNSET"], r.stderr[-2000:]
 
 
+def test_a_packed_int4_weight_stands_for_the_weight_it_packs(float_target, tmp_path):
+    """W4A16 stores ``weight_packed`` (compressed-tensors) and GPTQ ``qweight``: the target stage's tensor-name check
+    takes either for the linear's ``weight``, and still names a linear that has neither."""
+    from transformers import AutoConfig
+
+    from eaglepipe.errors import ParamsError
+    from eaglepipe.target.folder_check import check_tensor_names, check_weight_files
+
+    src = build_compressed(float_target, tmp_path / "q", "W4A16")
+    names = check_weight_files(src)
+    stored = set().union(*names.values())
+    assert "model.layers.0.mlp.down_proj.weight_packed" in stored
+    assert "model.layers.0.mlp.down_proj.weight" not in stored
+    config = AutoConfig.from_pretrained(float_target)
+    check_tensor_names(src, config, names)  # accepted: nothing raised
+    gptq = {f: {n.replace(".weight_packed", ".qweight") for n in ns} for f, ns in names.items()}
+    check_tensor_names(src, config, gptq)
+    gone = {f: ns - {"model.layers.0.mlp.down_proj.weight_packed"} for f, ns in names.items()}
+    with pytest.raises(ParamsError, match=r"lack 1 tensors .*model\.layers\.0\.mlp\.down_proj\.weight\b"):
+        check_tensor_names(src, config, gone)
+
+
 @pytest.mark.parametrize("case", ["float source", "other model", "quantized baseline"])
 def test_the_target_stage_refuses_a_float_release_that_is_not_one(case, float_target, tmp_path):
     src = build_compressed(float_target, tmp_path / "q", "W8A8")

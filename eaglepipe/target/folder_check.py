@@ -8,7 +8,8 @@ What is checked, each refusal a ParamsError naming the file and the fix (exit 2,
    maps to a file is in that file's header.
 2. Tensor names: where transformers loads the architecture's checkpoint names as they are (no weight conversion
    registered for it: ``transformers.conversion_mapping.get_model_conversion_mapping``), the model built from
-   config.json on the meta device (no memory) has a weight for each of its parameters and persistent buffers.
+   config.json on the meta device (no memory) has a weight for each of its parameters and persistent buffers. A
+   pre-quantized linear's packed weight stands for its ``weight`` (:data:`PACKED_WEIGHTS`).
 3. Tokenizer: it loads (transformers' AutoTokenizer) and has a chat template, or ``target.chat_template`` gives one.
 4. generation_config.json, where present: valid JSON, token ids inside the vocabulary, positive lengths.
 """
@@ -25,6 +26,10 @@ log = logging.getLogger(__name__)
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MAX_HEADER = 100 << 20  # bytes: safetensors refuses larger headers (safetensors/src/tensor.rs MAX_HEADER_SIZE)
+# Where a pre-quantized checkpoint stores a linear's weight packed under another name: compressed-tensors'
+# pack-quantized and NVFP4 formats (compressed_tensors/compressors/pack_quantized/base.py, nvfp4/base.py:
+# ``weight_packed``), GPTQ and AWQ (vLLM's quantization/auto_gptq.py, auto_awq.py: ``qweight``).
+PACKED_WEIGHTS = ("weight_packed", "qweight")
 FETCH = "download the missing files again (e.g. `hf download REPO --local-dir FOLDER`) or point target.source elsewhere"
 
 
@@ -103,7 +108,9 @@ def check_tensor_names(folder: Path, config, names: dict[str, set[str]]) -> None
     docstring, 2); ``names``: :func:`check_weight_files`' result. Folders of .bin weights are not read."""
     if not names:
         return
-    missing = missing_tensors(config, set().union(*names.values()))
+    stored = set().union(*names.values())
+    stored |= {n.rsplit(".", 1)[0] + ".weight" for n in stored if n.rsplit(".", 1)[-1] in PACKED_WEIGHTS}
+    missing = missing_tensors(config, stored)
     if missing:
         raise ParamsError(
             f"target.source: the weight files in {folder} lack {len(missing)} tensors that "
