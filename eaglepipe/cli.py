@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from eaglepipe.errors import EaglepipeError
@@ -70,6 +71,11 @@ def _add_diagnose(sub) -> None:
                    help="score on the target's greedy continuations (default) or on the conversations' own "
                    "assistant turns (how a draft trained on that data without regeneration saw it)")
     p.add_argument("--no-search", action="store_true", help="score the starting sets only, no coordinate ascent")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",  # diagnose.HF, diagnose.SERVED (no torch here)
+                   help="whose capture the draft reads: transformers' (default) or the installed vLLM's, as it "
+                   "serves the target (its kernels, its quantized checkpoint)")
+    p.add_argument("--engine-dtype", default="float32", help="the dtype vLLM serves the target in (--engine vllm; "
+                   "bfloat16 as on a GPU)")
     _add_versions(p)
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     p.set_defaults(run=_run_diagnose)
@@ -77,11 +83,13 @@ def _add_diagnose(sub) -> None:
 
 def _run_diagnose(args) -> int:
     from eaglepipe.data.prompts import prompt_records
-    from eaglepipe.serving.diagnose import diagnose, format_diagnosis
+    from eaglepipe.serving.diagnose import SERVED, diagnose, format_diagnosis
 
     records = prompt_records(args.prompts)
+    if args.engine == SERVED:  # vLLM logs to stdout by default (vllm/envs.py): keep stdout for the report
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     d = diagnose(args.draft_dir, args.target, records, args.prompts_n, args.max_new, not args.no_search,
-                 _versions(args), text=args.text)
+                 _versions(args), text=args.text, engine=args.engine, engine_dtype=args.engine_dtype)
     print(json.dumps(d.to_json(), indent=2) if args.json else format_diagnosis(d))
     return 0 if d.ok else 1
 

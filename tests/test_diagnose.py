@@ -30,9 +30,9 @@ CONVS = tiny_conversations(400)
 def trained(tmp_path_factory):
     """(target folder, the vLLM exports of two drafts trained on h[2, 3, 4]: the defaults' EAGLE-3.1 norms, plain)."""
     root = tmp_path_factory.mktemp("diagnose")
-    target = build("llama", root / "target", hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                   initializer_range=0.3)  # peaked next-token distributions
+    target = build("llama", root / "target", hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+                   initializer_range=0.3)  # peaked next-token distributions; head_dim 32: vLLM's CPU attention's least
     p = ExtractParams(engine="hf", regenerate=False, batch_size=8, shard_size=64, dtype="float32", store="features")
     extract(CONVS, target, read_info(target), TRAINED, p, root / "features", root / "scratch", "h", gate_samples=2)
     tp = TrainParams(draft_vocab_size=64, ttt_steps=3, step_decay=0.8, epochs=30, lr=3e-3, warmup_steps=5,
@@ -131,7 +131,7 @@ def test_a_folder_without_ids_is_searched(trained, tmp_path):
 def test_a_speculators_folder_is_read_in_its_own_names(trained, tmp_path):
     target, export, _ = trained
     folder = _rewrite(export, tmp_path / "spec", _speculators, rename=lambda k: k.replace("midlayer.", "layers.0."),
-                      extra={"embed_tokens.weight": torch.zeros(99, 32)})
+                      extra={"embed_tokens.weight": torch.zeros(99, 64)})
     d = diagnose(folder, target, CONVS, 32, text="conversation")
     assert d.draft_format == "speculators" and "sglang" in d.engines
     _check(d, vllm_right=False)
@@ -151,3 +151,24 @@ def test_a_modelopt_folder_is_read_in_its_own_names(trained, tmp_path):
     _check(d, vllm_right=False)
     assert d.engines["sglang"]["ids"] == [1, 2, 3] and d.engines["vllm"]["feeds"] is None
     assert (d.engines["vllm"]["field"], d.engines["vllm"]["ids"]) == (draft_config.TOP_FIELD, TRAINED)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_s_own_capture_finds_the_planted_draft_trained_on_h234(trained, tmp_path, capsys):
+    """The same diagnosis on the states vLLM serves (its capture of h[0..5], fp32): the same set, the same ids,
+    and the best set's acceptance within 0.02 of transformers' (the engines' fp32 states agree to ~1e-6)."""
+    pytest.importorskip("vllm")
+    target, export, _ = trained
+    folder = _rewrite(export, tmp_path / "planted", _planted)
+    by_hf = diagnose(folder, target, CONVS, 32, text="conversation")
+    write_jsonl(tmp_path / "convs.jsonl", CONVS[:32])
+    rc = main(["diagnose", str(folder), "--target", str(target), "--prompts", str(tmp_path / "convs.jsonl"),
+               "--prompts-n", "32", "--text", "conversation", "--engine", "vllm", "--json"])
+    d = json.loads(capsys.readouterr().out)  # the report alone: vLLM logs to stderr
+    assert rc == 1 and d["trained_on"] == TRAINED and d["states"].startswith("vllm ")
+    assert d["states"].endswith(" float32")
+    assert d["margin"] >= d["threshold"] > 0 and len(d["candidates"]) == 20  # vLLM captures every h[0..5] of a Llama
+    assert d["engines"]["vllm"]["ids"] == TRAINED and d["engines"]["vllm"]["right"] is False
+    best, hf_best = d["candidates"][0], by_hf.candidates[0]
+    assert best["positions"] == hf_best.positions and abs(best["acceptance"] - hf_best.acceptance) <= 0.02

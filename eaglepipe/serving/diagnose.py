@@ -9,6 +9,10 @@ boundary set by its **acceptance at draft position 1**: over the continuation's 
 (= x_{t+2} on a greedy continuation) — what a round's first drafted token meets in speculative decoding
 (eaglepipe/serving/specdec.py), teacher-forced. Instead of greedy continuations, the conversations' own assistant
 turns can be scored (``text="conversation"``: the training view of a draft trained without regeneration).
+With ``engine="vllm"`` the states come from vLLM's own capture (the ``extract_hidden_states`` mode extract uses,
+:meth:`eaglepipe.engines.vllm.VLLMEngine.capture`) of every boundary its capture loop reaches
+(:func:`eaglepipe.contract.convention.capturable`): the draft is scored on what that engine serves it, in its
+dtype and kernels (a quantized checkpoint's too); the target's top-1 stays transformers'.
 
 Candidates: what the folder states (``eaglepipe.aux_boundaries``), what each engine feeds, each engine's default,
 each of these shifted by ±1 and ±2, then a coordinate ascent from the best (each aux slot moved over every
@@ -45,6 +49,7 @@ Z = 3.0  # standard errors the best set must lead the next by
 SHIFTS = (-2, -1, 1, 2)
 MAX_SWEEPS = 3
 EXHAUSTIVE = 64  # score every ascending set when there are at most this many
+HF, SERVED = "hf", "vllm"  # whose capture the draft reads (engine_table's names): transformers', or vLLM's as served
 
 
 @dataclass
@@ -77,6 +82,7 @@ class Diagnosis:
     verdict: str
     engines: dict[str, dict]  # engine → {"version", "feeds", "right", "field", "ids"} or {"version", "refused"}
     weights: list[str] = field(default_factory=list)  # inspect's problems with the folder's weights and config
+    states: str = "transformers float32"  # whose capture the draft read: "vllm 0.32.0 float32" (engine="vllm")
 
     @property
     def ok(self) -> bool:
@@ -107,17 +113,22 @@ def conversation_sequences(tok, records: list[dict], n: int, max_length: int = 2
 
 class Scorer:
     """Token sequences on the target: their boundaries h[0..N] and the target's top-1 captured once; any draft
-    scored under any boundary set."""
+    scored under any boundary set. ``served``: per sequence {k: (T, Ht)} from a serving engine's capture
+    (:func:`served_states`) instead of transformers' h[0..N]; ``boundaries`` holds the k that can be scored."""
 
-    def __init__(self, model, sequences: list[tuple[list[int], list[bool]]]):
+    def __init__(self, model, sequences: list[tuple[list[int], list[bool]]], served: list[dict] | None = None):
         layers = decoder(model).layers
         self.embed = decoder(model).embed_tokens.weight  # (V, H)
         self.seqs = []  # (tokens (T,) int64, target top-1 (T,), counted (T,) bool, {k: (T, Ht) float32})
-        for ids, counted in sequences:
+        hooked = [] if served else list(range(len(layers) + 1))
+        for j, (ids, counted) in enumerate(sequences):
             x = torch.tensor([ids], device=model.device)  # (1, T)
-            with torch.inference_mode(), boundary_hooks(layers, list(range(len(layers) + 1))) as got:
+            with torch.inference_mode(), boundary_hooks(layers, hooked) as got:
                 top = model(input_ids=x).logits[0].argmax(-1)  # (T,)
-            self.seqs.append((x[0], top, torch.tensor(counted, device=x.device), {k: v[0] for k, v in got.items()}))
+            states = ({k: v.to(x.device, torch.float32) for k, v in served[j].items()} if served
+                      else {k: v[0] for k, v in got.items()})
+            self.seqs.append((x[0], top, torch.tensor(counted, device=x.device), states))
+        self.boundaries = set(self.seqs[0][3]) if self.seqs else set()
 
     @torch.inference_mode()
     def score(self, draft, boundaries: list[int]) -> tuple[int, int]:
@@ -133,6 +144,23 @@ class Scorer:
             hits += int(((guess == top[1:]) & mask).sum())
             count += int(mask.sum())
         return hits, count
+
+
+def served_states(target_dir: str | Path, family: str, n_layers: int, sequences: list[tuple], dtype: str,
+                  ) -> tuple[list[dict[int, torch.Tensor]], str]:
+    """Every boundary h[k] vLLM's capture loop reaches for ``family`` (``convention.capturable``), captured by vLLM
+    serving the target at ``target_dir`` in ``dtype`` → (per sequence {k: (T, H) float32}, "vllm VERSION DTYPE").
+    Raises ServingUnavailable / ConventionError as :class:`eaglepipe.engines.vllm.VLLMEngine` and the rules do."""
+    from eaglepipe.engines.vllm import VLLMEngine
+
+    ks = list(conv.capturable(SERVED, family, n_layers))
+    ids = conv.ids_reading_as(SERVED, family, ks, n_layers)  # the installed vLLM's meaning: it captures them
+    engine = VLLMEngine(target_dir, dtype=dtype)
+    try:
+        caps = engine.capture([ids_ for ids_, _ in sequences], ids)  # per sequence (T, len(ids), H)
+    finally:
+        engine.close()
+    return [{k: c[:, j] for j, k in enumerate(ks)} for c in caps], f"{engine.name} {engine.version} {dtype}"
 
 
 def starting_sets(report: Report, n_aux: int) -> dict[tuple[int, ...], list[str]]:
@@ -219,7 +247,8 @@ def score_sets(scorer: Scorer, draft, report: Report, search: bool) -> list[Cand
     scored: dict[tuple[int, ...], Candidate] = {}
 
     def evaluate(b: tuple[int, ...], why: list[str]) -> None:
-        scored[b] = Candidate(list(b), why, *scorer.score(draft, list(b)))
+        if set(b) <= scorer.boundaries:  # else the engine cannot feed that set: not a candidate
+            scored[b] = Candidate(list(b), why, *scorer.score(draft, list(b)))
 
     for b, why in starting_sets(report, a).items():
         evaluate(b, why)
@@ -235,12 +264,13 @@ def score_sets(scorer: Scorer, draft, report: Report, search: bool) -> list[Cand
 
 def diagnose(draft_dir: str | Path, target_dir: str | Path, records: list[dict], n_prompts: int = 8,
              max_new_tokens: int = 64, search: bool = True, versions: dict[str, str] | None = None,
-             text: str = "greedy") -> Diagnosis:
+             text: str = "greedy", engine: str = HF, engine_dtype: str = "float32") -> Diagnosis:
     """Score the draft at ``draft_dir`` on the target at ``target_dir`` (an HF folder) under candidate boundary sets
     (module docstring), on the first user turns of ``records`` (eaglepipe conversation records), ``n_prompts`` of
     them, ``max_new_tokens`` greedy tokens each; ``text`` "conversation": their own assistant turns as rendered for
-    training, no generation. Raises EaglepipeError for what :func:`inspect_draft` and :func:`load_draft_folder`
-    refuse."""
+    training, no generation. ``engine`` :data:`SERVED`: the states as vLLM captures them in ``engine_dtype``
+    (:func:`served_states`). Raises EaglepipeError for what :func:`inspect_draft` and :func:`load_draft_folder`
+    refuse, and what the engine refuses."""
     from transformers import AutoTokenizer
 
     report = inspect_draft(draft_dir, target_dir, versions)
@@ -249,21 +279,24 @@ def diagnose(draft_dir: str | Path, target_dir: str | Path, records: list[dict],
     tok = AutoTokenizer.from_pretrained(target_dir)
     if text == "greedy":
         prompts = [p["input_ids"] for p in eval_prompts(tok, records, n_prompts)]
-        scorer = Scorer(model, greedy_sequences(model, eos_ids, prompts, max_new_tokens))
+        seqs = greedy_sequences(model, eos_ids, prompts, max_new_tokens)
     else:
-        scorer = Scorer(model, conversation_sequences(tok, records, n_prompts))
+        seqs = conversation_sequences(tok, records, n_prompts)
+    served, states = (served_states(target_dir, report.family, report.n_layers, seqs, engine_dtype)
+                      if engine != HF else (None, "transformers float32"))
+    scorer = Scorer(model, seqs, served)
     ranked = score_sets(scorer, draft, report, search)
     trained, margin, threshold, verdict = judge(ranked)
     return Diagnosis(str(draft_dir), report.draft_format, report.n_layers, len(scorer.seqs), text, ranked, trained,
                      margin, threshold, verdict, engine_needs(report, trained) if trained else {},
-                     report.problems + [p for v in report.engines.values() for p in v.problems if v.loads])
+                     report.problems + [p for v in report.engines.values() for p in v.problems if v.loads], states)
 
 
 def format_diagnosis(d: Diagnosis, top: int = 8) -> str:
     """The human-readable report: the best sets, the verdict, each engine's feed and the ids it needs."""
     pos = d.candidates[0].positions if d.candidates else 0
     lines = [(f"draft {d.draft_dir} ({d.draft_format}), target N = {d.n_layers}: {d.prompts} prompts, {pos} "
-             f"positions, {len(d.candidates)} boundary sets tried"),
+             f"positions, {len(d.candidates)} boundary sets tried, states captured by {d.states}"),
              "acceptance at draft position 1, teacher-forced on "
              + ("the target's greedy continuations:" if d.text == "greedy" else "the conversations' assistant turns:")]
     lines += [f"  h{c.boundaries}  {c.acceptance:.3f}  {'; '.join(c.why)}" for c in d.candidates[:top]]
