@@ -50,6 +50,7 @@ SHIFTS = (-2, -1, 1, 2)
 MAX_SWEEPS = 3
 EXHAUSTIVE = 64  # score every ascending set when there are at most this many
 HF, SERVED = "hf", "vllm"  # whose capture the draft reads (engine_table's names): transformers', or vLLM's as served
+HF_STATES = "transformers float32"  # Diagnosis.states when the hf forward's hooks capture them
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Diagnosis:
     verdict: str
     engines: dict[str, dict]  # engine → {"version", "feeds", "right", "field", "ids"} or {"version", "refused"}
     weights: list[str] = field(default_factory=list)  # inspect's problems with the folder's weights and config
-    states: str = "transformers float32"  # whose capture the draft read: "vllm 0.32.0 float32" (engine="vllm")
+    states: str = HF_STATES  # whose capture the draft read, e.g. "vllm 0.32.0 float32" (engine SERVED)
 
     @property
     def ok(self) -> bool:
@@ -151,11 +152,11 @@ def served_states(target_dir: str | Path, family: str, n_layers: int, sequences:
     """Every boundary h[k] vLLM's capture loop reaches for ``family`` (``convention.capturable``), captured by vLLM
     serving the target at ``target_dir`` in ``dtype`` → (per sequence {k: (T, H) float32}, "vllm VERSION DTYPE").
     Raises ServingUnavailable / ConventionError as :class:`eaglepipe.engines.vllm.VLLMEngine` and the rules do."""
-    from eaglepipe.engines.vllm import VLLMEngine
+    from eaglepipe.engines import get_engine
 
     ks = list(conv.capturable(SERVED, family, n_layers))
     ids = conv.ids_reading_as(SERVED, family, ks, n_layers)  # the installed vLLM's meaning: it captures them
-    engine = VLLMEngine(target_dir, dtype=dtype)
+    engine = get_engine(SERVED, target_dir, dtype=dtype)
     try:
         caps = engine.capture([ids_ for ids_, _ in sequences], ids)  # per sequence (T, len(ids), H)
     finally:
@@ -283,7 +284,7 @@ def diagnose(draft_dir: str | Path, target_dir: str | Path, records: list[dict],
     else:
         seqs = conversation_sequences(tok, records, n_prompts)
     served, states = (served_states(target_dir, report.family, report.n_layers, seqs, engine_dtype)
-                      if engine != HF else (None, "transformers float32"))
+                      if engine != HF else (None, HF_STATES))
     scorer = Scorer(model, seqs, served)
     ranked = score_sets(scorer, draft, report, search)
     trained, margin, threshold, verdict = judge(ranked)
